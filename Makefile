@@ -1,0 +1,54 @@
+# Everything runs from a project-local virtualenv that the first target creates.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+PYTEST  := $(BIN)/python -m pytest -p no:cacheprovider
+
+.PHONY: demo test unit stream e2e lint typecheck venv system-deps bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# redis-server is the one system package the tests need (a real Redis, never a fake).
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@command -v docker-compose >/dev/null 2>&1 || { \
+	  echo "installing docker-compose (used only to validate compose files)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
+
+## The main job: Envoy + processor + simulated clusters on localhost, traffic, a report.
+demo: $(STAMP)
+	$(BIN)/extproc demo
+
+## All gates and all test tiers.
+test: $(STAMP) system-deps lint typecheck unit stream e2e
+
+lint: $(STAMP)
+	$(BIN)/ruff check extproc tests
+	$(BIN)/ruff format --check extproc tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(PYTEST) tests/unit -q
+
+stream: $(STAMP)
+	$(PYTEST) tests/stream -q
+
+e2e: $(STAMP) system-deps
+	$(PYTEST) tests/e2e -q
+
+bench: $(STAMP)
+	$(BIN)/extproc bench overhead
+
+clean:
+	rm -rf $(VENV) out build *.egg-info
