@@ -1,0 +1,131 @@
+"""Staged loading: YAML decode → typed model with defaults → cross-checks → compiled runtime.
+
+Every error names the path of the bad field, e.g. ``clusters[2].weight: must be > 0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from extproc.config.runtime import Runtime, compile_runtime
+from extproc.config.schema import FleetConfig
+
+
+class ConfigError(ValueError):
+    def __init__(self, source: str, problems: Sequence[str]) -> None:
+        self.source = source
+        self.problems = list(problems)
+        super().__init__(f"{source}: invalid fleet config:\n  " + "\n  ".join(self.problems))
+
+
+def format_path(loc: Iterable[int | str]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + part
+    return out or "(root)"
+
+
+_PYDANTIC_WORDING = {
+    "greater_than": "must be > {gt}",
+    "greater_than_equal": "must be >= {ge}",
+    "less_than_equal": "must be <= {le}",
+    "missing": "is required",
+    "extra_forbidden": "unknown field",
+    "too_short": "must have at least {min_length} item(s)",
+}
+
+
+def _describe(err: dict[str, object]) -> str:
+    kind = str(err.get("type", ""))
+    ctx = err.get("ctx")
+    template = _PYDANTIC_WORDING.get(kind)
+    if template and isinstance(ctx, dict):
+        try:
+            return template.format(**ctx)
+        except KeyError:
+            pass  # fall through to pydantic's own message when ctx lacks the field
+    elif template and "{" not in template:
+        return template
+    return str(err.get("msg", "invalid"))
+
+
+def cross_check(cfg: FleetConfig) -> list[str]:
+    """Checks that span fields: references, uniqueness, coverage."""
+    problems: list[str] = []
+    names: dict[str, int] = {}
+    for i, cluster in enumerate(cfg.clusters):
+        if cluster.name in names:
+            problems.append(f"clusters[{i}].name: duplicate of clusters[{names[cluster.name]}]")
+        names.setdefault(cluster.name, i)
+    seen_classes: dict[str, int] = {}
+    for i, cls in enumerate(cfg.classes):
+        if cls.name in seen_classes:
+            problems.append(f"classes[{i}].name: duplicate of classes[{seen_classes[cls.name]}]")
+        seen_classes.setdefault(cls.name, i)
+        for j, ref in enumerate(cls.eligible):
+            if ref not in names:
+                problems.append(f"classes[{i}].eligible[{j}]: no cluster named {ref!r}")
+        b = cls.budget
+        limit = cls.max_input_tokens
+        if b.tokens_per_second and b.burst_tokens and limit and b.burst_tokens < limit:
+            problems.append(
+                f"classes[{i}].budget.burst_tokens: must be >= max_input_tokens "
+                f"({limit}) or the largest requests of the class never fit"
+            )
+    last = len(cfg.classes) - 1
+    tail = cfg.classes[last]
+    if tail.max_input_tokens is not None or tail.tiers:
+        problems.append(
+            f"classes[{last}]: the last class must be a catch-all (no max_input_tokens, no tiers)"
+        )
+    if any(c.tiers for c in cfg.classes) and not cfg.session.tier_header:
+        problems.append("session.tier_header: required when a class lists tiers")
+    ports = {
+        "listener.port": cfg.listener.port,
+        "listener.admin_port": cfg.listener.admin_port,
+        "processor.port": cfg.processor.port,
+        "processor.metrics_port": cfg.processor.metrics_port,
+    }
+    seen_ports: dict[int, str] = {}
+    for path, port in ports.items():
+        if port and port in seen_ports:
+            problems.append(f"{path}: port {port} is also {seen_ports[port]}")
+        seen_ports.setdefault(port, path)
+    return problems
+
+
+def parse_config(data: object, source: str = "<config>") -> FleetConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(source, ["(root): must be a mapping"])
+    try:
+        cfg = FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(
+            source, [f"{format_path(e['loc'])}: {_describe(dict(e))}" for e in exc.errors()]
+        ) from None
+    problems = cross_check(cfg)
+    if problems:
+        raise ConfigError(source, problems)
+    return cfg
+
+
+def load_config(path: str | Path) -> tuple[FleetConfig, bytes]:
+    p = Path(path)
+    raw = p.read_bytes()
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(p), [f"(yaml): {exc}"]) from None
+    return parse_config(data, str(p)), raw
+
+
+def load_runtime(path: str | Path) -> Runtime:
+    cfg, raw = load_config(path)
+    return compile_runtime(cfg, raw)

@@ -1,0 +1,73 @@
+"""The compiled, immutable runtime object the processor serves from; swapped whole on reload."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from extproc.config.schema import FleetConfig
+from extproc.core.decide import Policy
+from extproc.core.facts import ParseLimits
+from extproc.core.fleet import Budget, Cluster, RequestClass
+from extproc.core.keys import KeyRules
+from extproc.core.placement import Rendezvous
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    config: FleetConfig
+    version: str
+    clusters: tuple[Cluster, ...]
+    policy: Policy
+    key_rules: KeyRules
+    parse_limits: ParseLimits
+
+    @property
+    def cluster_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.clusters)
+
+
+def compile_runtime(cfg: FleetConfig, raw: bytes | None = None) -> Runtime:
+    clusters = tuple(
+        Cluster(c.name, tuple(c.endpoints), c.weight, c.health_path) for c in cfg.clusters
+    )
+    weights = {c.name: c.weight for c in clusters}
+    classes = tuple(
+        RequestClass(
+            name=c.name,
+            max_input_tokens=c.max_input_tokens,
+            tiers=frozenset(c.tiers),
+            eligible=tuple(c.eligible),
+            budget=Budget(
+                c.budget.max_inflight_tokens,
+                c.budget.max_concurrent,
+                c.budget.tokens_per_second,
+                c.budget.burst_tokens,
+            ),
+        )
+        for c in cfg.classes
+    )
+    everyone = Rendezvous.of([(c.name, c.weight) for c in clusters])
+    placers = {
+        cls.name: Rendezvous.of([(n, weights[n]) for n in cls.eligible])
+        if cls.eligible
+        else everyone
+        for cls in classes
+    }
+    material = raw if raw is not None else cfg.model_dump_json().encode()
+    return Runtime(
+        config=cfg,
+        version=hashlib.sha256(material).hexdigest()[:12],
+        clusters=clusters,
+        policy=Policy(classes, MappingProxyType(placers)),
+        key_rules=KeyRules(
+            header=cfg.session.header,
+            body_fields=tuple(tuple(f.split(".")) for f in cfg.session.body_fields),
+            tier_header=cfg.session.tier_header,
+            system_chars=cfg.prefix.system_chars,
+            first_message_chars=cfg.prefix.first_message_chars,
+            prompt_chars=cfg.prefix.prompt_chars,
+        ),
+        parse_limits=ParseLimits(cfg.processor.max_body_bytes, cfg.prefix.bytes_per_token),
+    )

@@ -1,0 +1,126 @@
+"""The fleet.yaml schema, version 1. Defaults live here and nowhere else."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+# Cluster names become Envoy cluster names and, joined by "__", aggregate-cluster names.
+ClusterName = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$", max_length=48)]
+ClassName = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9_-]*[a-z0-9])?$", max_length=48)]
+HeaderName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ListenerConfig(Strict):
+    """Envoy's public listener and its admin interface (admin is always bound to 127.0.0.1)."""
+
+    address: str = "127.0.0.1"
+    port: Port = 10000
+    admin_port: Port = 9901
+    # Upstream request timeout; long generations need long timeouts (0 = none).
+    route_timeout_s: float = Field(default=300.0, ge=0)
+
+
+class ProcessorConfig(Strict):
+    address: str = "127.0.0.1"
+    port: Port = 50051
+    metrics_port: Port = 9464
+    # open: Envoy forwards on the fallback route when the processor is down or slow.
+    # closed: Envoy answers 500 (Envoy's own status_on_error default).
+    failure_mode: Literal["open", "closed"] = "open"
+    # Envoy's default 200 ms is too short to ship a multi-MB body to the processor and back.
+    message_timeout_ms: int = Field(default=2000, gt=0)
+    max_body_bytes: int = Field(default=32 << 20, gt=0)
+    workers: int = Field(default=1, ge=1, le=64)
+
+
+class ClusterConfig(Strict):
+    name: ClusterName
+    endpoints: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-\[\]:]+:[0-9]{1,5}$")]] = Field(
+        min_length=1
+    )
+    weight: float = Field(default=1.0, gt=0)
+    health_path: str = Field(default="/health", pattern=r"^/")
+
+
+class SessionConfig(Strict):
+    # A trusted header: the edge/auth layer sets it; clients' own values must be overwritten there.
+    header: HeaderName | None = "x-session-id"
+    body_fields: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")]] = [
+        "prompt_cache_key",
+        "user",
+        "metadata.user_id",
+        "metadata.session_id",
+    ]
+    # Trusted tenant-tier header, set by the auth layer; selects tier-specific classes.
+    tier_header: HeaderName | None = None
+
+
+class PrefixConfig(Strict):
+    system_chars: int = Field(default=65536, ge=0)
+    first_message_chars: int = Field(default=1024, ge=1)
+    prompt_chars: int = Field(default=4096, ge=1)
+    bytes_per_token: float = Field(default=4.0, gt=0)
+
+
+class BudgetConfig(Strict):
+    """Per cluster, per class. 0 = no cap."""
+
+    max_inflight_tokens: int = Field(default=0, ge=0)
+    max_concurrent: int = Field(default=0, ge=0)
+    tokens_per_second: float = Field(default=0.0, ge=0)
+    burst_tokens: int = Field(default=0, ge=0)
+
+
+class ClassConfig(Strict):
+    name: ClassName
+    # Exclusive upper bound on estimated input tokens; omit on the catch-all last class.
+    max_input_tokens: int | None = Field(default=None, gt=0)
+    tiers: list[str] = []
+    eligible: list[str] = []
+    budget: BudgetConfig = BudgetConfig()
+
+
+class RedisConfig(Strict):
+    url: str | None = None
+    # When Redis cannot be reached: "local" admits against this replica's share of each budget
+    # (budget / replicas); "closed" rejects with 503.
+    on_unavailable: Literal["local", "closed"] = "local"
+    replicas: int = Field(default=1, ge=1)
+    timeout_ms: int = Field(default=50, gt=0)
+    lease_ttl_s: float = Field(default=30.0, gt=0)
+    key_prefix: str = "fleet"
+
+
+class PricesConfig(Strict):
+    """$ per million tokens, for the cost-saved metric and reports."""
+
+    cached_input: float = 0.30
+    uncached_input: float = 3.00
+    output: float = 15.00
+
+
+def _default_classes() -> list[ClassConfig]:
+    return [
+        ClassConfig(name="short", max_input_tokens=2048),
+        ClassConfig(name="medium", max_input_tokens=100_000),
+        ClassConfig(name="long"),
+    ]
+
+
+class FleetConfig(Strict):
+    version: Literal[1]
+    listener: ListenerConfig = ListenerConfig()
+    processor: ProcessorConfig = ProcessorConfig()
+    clusters: list[ClusterConfig] = Field(min_length=1)
+    session: SessionConfig = SessionConfig()
+    prefix: PrefixConfig = PrefixConfig()
+    classes: list[ClassConfig] = Field(default_factory=_default_classes, min_length=1)
+    redis: RedisConfig = RedisConfig()
+    prices: PricesConfig = PricesConfig()

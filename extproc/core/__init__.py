@@ -1,0 +1,1 @@
+"""The pure decision core: no grpc, no sockets, no clock reads, no unseeded randomness."""

@@ -1,0 +1,126 @@
+"""Request facts: what the decision core knows about one inference request.
+
+Built from (path, trusted headers, body bytes) by :func:`parse_request`. The parser never raises
+on client input: bad input becomes a :class:`BadRequest` value that the protocol shell turns into
+a JSON error in the API's own format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import orjson
+
+from extproc.core.api import Api, BadRequest, ErrorStyle, api_for_path
+from extproc.core.keys import KeyRules, KeySource, SessionKey, derive_session_key
+
+
+@dataclass(frozen=True, slots=True)
+class ParseLimits:
+    max_body_bytes: int = 32 << 20
+    # Cheap token estimate: JSON bytes / 4. English text averages ~4 characters per token for
+    # BPE tokenizers; counting the JSON envelope too errs on the side of a larger estimate,
+    # which is the safe side for budgets.
+    bytes_per_token: float = 4.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    api: Api
+    model: str
+    session: SessionKey
+    input_tokens: int
+    max_output_tokens: int | None
+    tier: str | None
+    stream: bool
+    body_bytes: int
+
+
+def _content_type_ok(value: str | None) -> bool:
+    if not value:
+        return False
+    media = value.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+def _max_output_tokens(body: Mapping[str, object]) -> int | None:
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+def parse_request(
+    path: str,
+    headers: Mapping[str, str],
+    body: bytes,
+    rules: KeyRules,
+    limits: ParseLimits,
+) -> RequestFacts | BadRequest:
+    """Read an inference request. ``headers`` are lower-cased names; only trusted ones are used."""
+    api = api_for_path(path)
+    style = api.error_style if api is not None else ErrorStyle.OPENAI
+    if api is None:
+        return BadRequest(
+            404, f"no inference API at {path.split('?', 1)[0]}", "not_found_error", style
+        )
+    if len(body) > limits.max_body_bytes:
+        return BadRequest(
+            413,
+            f"request body is {len(body)} bytes; this gateway accepts at most "
+            f"{limits.max_body_bytes} bytes",
+            "request_too_large",
+            style,
+        )
+    if not _content_type_ok(headers.get("content-type")):
+        return BadRequest(
+            400, "Content-Type must be application/json", "invalid_request_error", style
+        )
+    if not body:
+        return BadRequest(
+            400, "request body is empty; expected a JSON object", "invalid_request_error", style
+        )
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        reason = (
+            "request body is not valid UTF-8"
+            if "UTF-8" in str(exc)
+            else "request body is not valid JSON"
+        )
+        return BadRequest(400, f"{reason}: {exc}", "invalid_request_error", style)
+    if not isinstance(doc, dict):
+        return BadRequest(400, "request body must be a JSON object", "invalid_request_error", style)
+    model = doc.get("model")
+    if not isinstance(model, str):
+        model = ""
+    session = derive_session_key(api, headers, doc, rules)
+    if isinstance(session, BadRequest):
+        return session
+    tier = headers.get(rules.tier_header) if rules.tier_header else None
+    return RequestFacts(
+        api=api,
+        model=model,
+        session=session,
+        input_tokens=max(1, int(len(body) / limits.bytes_per_token)),
+        max_output_tokens=_max_output_tokens(doc),
+        tier=tier or None,
+        stream=doc.get("stream") is True,
+        body_bytes=len(body),
+    )
+
+
+__all__ = [
+    "Api",
+    "BadRequest",
+    "ErrorStyle",
+    "KeySource",
+    "ParseLimits",
+    "RequestFacts",
+    "api_for_path",
+    "parse_request",
+]

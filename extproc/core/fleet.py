@@ -1,0 +1,66 @@
+"""Immutable descriptions of the fleet that the decision core works on.
+
+The config layer compiles fleet.yaml into these; the core never sees YAML or pydantic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    name: str
+    endpoints: tuple[str, ...]
+    weight: float = 1.0
+    health_path: str = "/health"
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Per-cluster capacity granted to one request class (a bulkhead compartment).
+
+    0 means "no cap" for every field: a class without a budget is only routed.
+    """
+
+    max_inflight_tokens: int = 0
+    max_concurrent: int = 0
+    tokens_per_second: float = 0.0
+    burst_tokens: int = 0
+
+    @property
+    def enforced(self) -> bool:
+        return bool(self.max_inflight_tokens or self.max_concurrent or self.tokens_per_second)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestClass:
+    """A request class: an input-token band, optionally limited to some tenant tiers.
+
+    Classes are matched in order, first match wins; ``max_input_tokens`` is exclusive and
+    ``None`` means unbounded. ``eligible`` restricts placement to a subset of clusters.
+    """
+
+    name: str
+    max_input_tokens: int | None = None
+    tiers: frozenset[str] = field(default_factory=frozenset)
+    eligible: tuple[str, ...] = ()
+    budget: Budget = field(default_factory=Budget)
+
+    def matches(self, input_tokens: int, tier: str | None) -> bool:
+        if self.tiers and (tier is None or tier not in self.tiers):
+            return False
+        return self.max_input_tokens is None or input_tokens < self.max_input_tokens
+
+
+def classify(
+    classes: tuple[RequestClass, ...], input_tokens: int, tier: str | None
+) -> RequestClass:
+    """First class whose tier set and token band admit the request.
+
+    Config validation guarantees the last class is a catch-all, so this always finds one.
+    """
+    for cls in classes:
+        if cls.matches(input_tokens, tier):
+            return cls
+    return classes[-1]

@@ -1,0 +1,208 @@
+"""Session keys: which conversation a request belongs to, as a hash.
+
+Precedence, first match wins: a trusted header, then configured body fields, then a prefix key.
+
+The prefix key hashes the conversation's *opening*: the system/instructions text (capped) plus
+the first ``first_message_chars`` characters of the first non-system message. Why this shape:
+
+- turn k+1 of a chat repeats turn k's messages and appends, so its opening is unchanged and the
+  key is stable across turns;
+- conversations that share only a system prompt differ in their first message, so a fleet where
+  every request starts with the same system prompt does not collapse onto one cluster;
+- requests that share a long document placed at the start of the first message (RAG, long
+  context) share the key once the document is longer than the cap;
+- the cost is bounded: at most ``system_chars + first_message_chars`` characters are hashed,
+  whatever the body size.
+
+Raw keys never leave this module: callers get a 16-byte digest and an 8-byte hex label.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from extproc.core.api import Api, BadRequest
+
+SYSTEM_ROLES = frozenset({"system", "developer"})
+
+
+class KeySource(StrEnum):
+    HEADER = "header"
+    BODY = "body"
+    PREFIX = "prefix"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKey:
+    digest: bytes  # blake2b-128 of the key material, namespaced by source kind
+    source: KeySource
+
+    @property
+    def point(self) -> int:
+        """64-bit position of the session on the hash space (placement input)."""
+        return int.from_bytes(self.digest[:8], "big")
+
+    @property
+    def label(self) -> str:
+        """Safe to log and to send upstream: a hash, never the raw key."""
+        return self.digest[:8].hex()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRules:
+    header: str | None = "x-session-id"
+    # Dotted paths into the body, e.g. ("metadata", "user_id").
+    body_fields: tuple[tuple[str, ...], ...] = (
+        ("prompt_cache_key",),
+        ("user",),
+        ("metadata", "user_id"),
+        ("metadata", "session_id"),
+    )
+    tier_header: str | None = None
+    system_chars: int = 65536
+    first_message_chars: int = 1024
+    # /v1/completions has no roles: its prompt's first characters play both parts.
+    prompt_chars: int = 4096
+
+
+def hash_key(source: KeySource, material: bytes) -> SessionKey:
+    h = hashlib.blake2b(digest_size=16, person=b"fleet-" + source.value.encode()[:10])
+    h.update(material)
+    return SessionKey(h.digest(), source)
+
+
+def _lookup(doc: Mapping[str, object], path: tuple[str, ...]) -> object:
+    node: object = doc
+    for part in path:
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(part)
+    return node
+
+
+def _text(content: object, budget: int) -> str:
+    """Text of a message's content (a string or a list of typed parts), up to ``budget`` chars."""
+    if budget <= 0:
+        return ""
+    if isinstance(content, str):
+        return content[:budget]
+    if isinstance(content, list):
+        out: list[str] = []
+        left = budget
+        for part in content:
+            if left <= 0:
+                break
+            piece = ""
+            if isinstance(part, str):
+                piece = part
+            elif isinstance(part, Mapping):
+                text = part.get("text")
+                if isinstance(text, str):
+                    piece = text
+            if piece:
+                piece = piece[:left]
+                out.append(piece)
+                left -= len(piece)
+        return "\n".join(out)
+    return ""
+
+
+class _Opening:
+    """Accumulates the capped system text and the capped first message."""
+
+    def __init__(self, rules: KeyRules) -> None:
+        self._rules = rules
+        self.system: list[str] = []
+        self._system_left = rules.system_chars
+        self.first: str | None = None
+
+    def add_system(self, content: object) -> None:
+        text = _text(content, self._system_left)
+        if text:
+            self.system.append(text)
+            self._system_left -= len(text)
+
+    def set_first(self, role: str, content: object) -> None:
+        if self.first is None:
+            self.first = role + "\x1f" + _text(content, self._rules.first_message_chars)
+
+    def material(self) -> bytes:
+        return ("\x1e".join(self.system) + "\x1d" + (self.first or "")).encode(
+            "utf-8", "surrogatepass"
+        )
+
+
+def _opening_of_messages(messages: list[object], opening: _Opening) -> None:
+    for msg in messages:
+        if not isinstance(msg, Mapping):
+            continue
+        role = msg.get("role")
+        role = role if isinstance(role, str) else "user"
+        if role in SYSTEM_ROLES and opening.first is None:
+            opening.add_system(msg.get("content"))
+            continue
+        opening.set_first(role, msg.get("content"))
+        return
+
+
+def prefix_material(api: Api, doc: Mapping[str, object], rules: KeyRules) -> bytes | BadRequest:
+    opening = _Opening(rules)
+    style = api.error_style
+    if api is Api.OPENAI_CHAT or api is Api.ANTHROPIC_MESSAGES:
+        messages = doc.get("messages")
+        if not isinstance(messages, list):
+            return BadRequest(
+                400, "'messages' must be an array", "invalid_request_error", style, "messages"
+            )
+        if api is Api.ANTHROPIC_MESSAGES:
+            opening.add_system(doc.get("system"))
+        _opening_of_messages(messages, opening)
+    elif api is Api.OPENAI_RESPONSES:
+        opening.add_system(doc.get("instructions"))
+        items = doc.get("input")
+        if isinstance(items, str):
+            opening.set_first("user", items)
+        elif isinstance(items, list):
+            _opening_of_messages(items, opening)
+        else:
+            return BadRequest(
+                400, "'input' must be a string or an array", "invalid_request_error", style, "input"
+            )
+    else:  # completions: no roles, the prompt's first characters play both parts
+        prompt = doc.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch: key on its first prompt
+        if isinstance(prompt, str):
+            opening.first = "prompt\x1f" + prompt[: rules.prompt_chars]
+        elif isinstance(prompt, list):
+            ids = prompt[: rules.prompt_chars // 4]  # token ids: ~4 characters each
+            opening.first = "ids\x1f" + ",".join(str(t) for t in ids)
+        else:
+            return BadRequest(
+                400,
+                "'prompt' must be a string or an array",
+                "invalid_request_error",
+                style,
+                "prompt",
+            )
+    return opening.material()
+
+
+def derive_session_key(
+    api: Api, headers: Mapping[str, str], doc: Mapping[str, object], rules: KeyRules
+) -> SessionKey | BadRequest:
+    if rules.header:
+        value = headers.get(rules.header)
+        if value:
+            return hash_key(KeySource.HEADER, value.encode("utf-8", "surrogatepass"))
+    for path in rules.body_fields:
+        value_obj = _lookup(doc, path)
+        if isinstance(value_obj, str) and value_obj:
+            return hash_key(KeySource.BODY, value_obj.encode("utf-8", "surrogatepass"))
+    material = prefix_material(api, doc, rules)
+    if isinstance(material, BadRequest):
+        return material
+    return hash_key(KeySource.PREFIX, material)

@@ -1,0 +1,1 @@
+"""The ext_proc protocol shell: the only package that speaks Envoy's gRPC protocol."""

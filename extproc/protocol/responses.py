@@ -1,0 +1,84 @@
+"""The ONE place that turns decisions into Envoy ext_proc messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+
+from extproc.core.api import BadRequest, ErrorStyle
+from extproc.core.decide import Route
+from extproc.core.facts import RequestFacts
+from extproc.protocol.errors import error_body
+from extproc.protocol.names import (
+    CLASS_HEADER,
+    PRIMARY_HEADER,
+    ROUTE_HEADER,
+    SECONDARY_HEADER,
+    SESSION_HEADER,
+)
+
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+# Answers that carry no decision are immutable: build them once.
+CONTINUE_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+CONTINUE_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse())
+CONTINUE_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+CONTINUE_RESPONSE_HEADERS = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+CONTINUE_RESPONSE_BODY = ep.ProcessingResponse(response_body=ep.BodyResponse())
+CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
+def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
+    )
+
+
+def route_response(route: Route, facts: RequestFacts) -> ep.ProcessingResponse:
+    """Body-phase answer: set routing headers and make Envoy re-pick the route.
+
+    clear_route_cache is what makes the router re-evaluate `cluster_header: x-fleet-route`;
+    it only works because the header phase was SENT (with SKIP, routing is already final).
+    """
+    placement = route.placement
+    common = ep.CommonResponse(clear_route_cache=True)
+    sets = common.header_mutation.set_headers
+    sets.append(_set(ROUTE_HEADER, placement.route))
+    sets.append(_set(PRIMARY_HEADER, placement.primary))
+    sets.append(_set(SECONDARY_HEADER, placement.secondary or placement.primary))
+    sets.append(_set(CLASS_HEADER, route.request_class.name))
+    sets.append(_set(SESSION_HEADER, facts.session.label))
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+
+
+def immediate(
+    status: int, body: bytes, headers: Iterable[tuple[str, str]] = (), details: str = ""
+) -> ep.ProcessingResponse:
+    """Envoy answers the client itself; it adds only date, server and content-length."""
+    resp = ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status),
+        body=body,
+        details=details,
+    )
+    sets = resp.headers.set_headers
+    sets.append(_set("content-type", "application/json"))
+    for key, value in headers:
+        sets.append(_set(key, value))
+    return ep.ProcessingResponse(immediate_response=resp)
+
+
+def bad_request_response(bad: BadRequest) -> ep.ProcessingResponse:
+    return immediate(
+        bad.status,
+        error_body(bad.style, bad.status, bad.message, bad.error_type, bad.param),
+        details=f"fleet_{bad.error_type}",
+    )
+
+
+def error_response(
+    style: ErrorStyle, status: int, message: str, code: str, headers: Iterable[tuple[str, str]] = ()
+) -> ep.ProcessingResponse:
+    return immediate(status, error_body(style, status, message, code), headers, f"fleet_{code}")

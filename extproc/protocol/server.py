@@ -1,0 +1,160 @@
+"""The ext_proc servicer: a thin stream loop with one handler per phase.
+
+Envoy keeps the ext_proc stream open for the whole HTTP exchange (normal end, SSE end, client
+abort, upstream abort): the stream ends either as a normal close or as a cancellation, so
+everything held for the request is released in ``finally``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from extproc.config.runtime import Runtime
+from extproc.core.api import BadRequest, api_for_path
+from extproc.core.facts import parse_request
+from extproc.metrics import Metrics
+from extproc.protocol import responses
+from extproc.protocol.state import StreamState
+
+log = logging.getLogger("extproc.server")
+
+Handler = Callable[[StreamState, Any], Awaitable[ep.ProcessingResponse]]
+
+
+class RuntimeHolder:
+    """The runtime being served; reload swaps it whole (one reference assignment)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.current = runtime
+
+
+def _header_map(headers: Any) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for h in headers.headers:
+        # Envoy sends raw_value (bytes); older versions used value.
+        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(
+        self,
+        runtime: RuntimeHolder,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._runtime = runtime
+        self._metrics = metrics
+        self._clock = clock
+        # The whole phase contract, in one table. Phases we never ask Envoy for (see the
+        # processing_mode we render) still get a pass-through answer so a mis-configured
+        # filter degrades to "no decision" rather than a broken stream.
+        self._handlers: dict[str, Handler] = {
+            "request_headers": self._on_request_headers,
+            "request_body": self._on_request_body,
+            "request_trailers": self._pass(responses.CONTINUE_TRAILERS),
+            "response_headers": self._pass(responses.CONTINUE_RESPONSE_HEADERS),
+            "response_body": self._pass(responses.CONTINUE_RESPONSE_BODY),
+            "response_trailers": self._pass(responses.CONTINUE_RESPONSE_TRAILERS),
+        }
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        state = StreamState()
+        self._metrics.streams_active.inc()
+        try:
+            async for request in request_iterator:
+                phase = request.WhichOneof("request")
+                handler = self._handlers.get(phase or "")
+                if handler is None:
+                    self._metrics.stream_errors.labels("unknown_phase").inc()
+                    continue
+                yield await handler(state, request)
+        except asyncio.CancelledError:
+            # Envoy cancels the stream when the client or upstream aborts: an ordinary end.
+            raise
+        except Exception:
+            self._metrics.stream_errors.labels("handler_exception").inc()
+            log.exception("ext_proc stream failed", extra={"request_id": state.request_id})
+            raise
+        finally:
+            self._metrics.streams_active.dec()
+            await self._release(state)
+
+    async def _release(self, state: StreamState) -> None:
+        state.ticket = None
+
+    @staticmethod
+    def _pass(answer: ep.ProcessingResponse) -> Handler:
+        async def handler(_state: StreamState, _request: Any) -> ep.ProcessingResponse:
+            return answer
+
+        return handler
+
+    async def _on_request_headers(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
+        msg = request.request_headers
+        state.headers = _header_map(msg.headers)
+        state.path = state.headers.get(":path", "")
+        state.method = state.headers.get(":method", "")
+        state.request_id = state.headers.get("x-request-id", "")
+        api = api_for_path(state.path)
+        if api is None or state.method != "POST":
+            self._metrics.passthrough.inc()
+            return responses.CONTINUE_HEADERS
+        state.api = api
+        if msg.end_of_stream:
+            # No body will follow, so this is the only chance to answer.
+            state.decided = True
+            empty = BadRequest(
+                400,
+                "request body is empty; expected a JSON object",
+                "invalid_request_error",
+                api.error_style,
+            )
+            return self._answer_bad(empty, api.value)
+        return responses.CONTINUE_HEADERS
+
+    async def _on_request_body(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
+        api = state.api
+        if api is None or state.decided:
+            return responses.CONTINUE_BODY
+        msg = request.request_body
+        started = self._clock()
+        runtime = self._runtime.current
+        state.decided = True
+        body: bytes = msg.body
+        self._metrics.body_bytes.observe(len(body))
+        if not msg.end_of_stream:
+            # BUFFERED mode delivers the whole body in one message; anything else means the
+            # filter is configured for streaming/partial bodies, which would hash truncated JSON.
+            bad = BadRequest(
+                413,
+                "request body was not delivered whole (raise the gateway's buffer limit)",
+                "request_too_large",
+                api.error_style,
+            )
+            return self._answer_bad(bad, api.value)
+        facts = parse_request(
+            state.path, state.headers, body, runtime.key_rules, runtime.parse_limits
+        )
+        if isinstance(facts, BadRequest):
+            return self._answer_bad(facts, api.value)
+        route = runtime.policy.route(facts)
+        self._metrics.requests.labels(facts.api.value, route.request_class.name, "routed").inc()
+        self._metrics.routes.labels("primary").inc()
+        answer = responses.route_response(route, facts)
+        self._metrics.decision_seconds.observe(self._clock() - started)
+        return answer
+
+    def _answer_bad(self, bad: BadRequest, api: str) -> ep.ProcessingResponse:
+        outcome = "too_large" if bad.status == 413 else "bad_request"
+        self._metrics.requests.labels(api, "", outcome).inc()
+        return responses.bad_request_response(bad)

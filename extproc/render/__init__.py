@@ -1,0 +1,1 @@
+"""Renderers: the one fleet.yaml becomes Envoy bootstraps, Kubernetes manifests, compose files."""

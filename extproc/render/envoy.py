@@ -1,0 +1,363 @@
+"""Render a complete Envoy bootstrap from the fleet config.
+
+Every setting here was verified against Envoy 1.40 (see DESIGN.md / ENVOY-NOTES.md); the
+comments say why each one is needed. Three modes share listeners, clusters and health checks so
+that benchmarks compare like with like:
+
+- ``extproc``: the processor decides (route by ``x-fleet-route`` to a (primary, secondary)
+  aggregate cluster; fallback route over all clusters when the processor is down);
+- ``round_robin``: Envoy alone, round robin over every endpoint of every cluster;
+- ``ring_hash``: Envoy alone, consistent hashing on the session header (Envoy-native stickiness,
+  no body inspection, no budgets).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from extproc.config.runtime import Runtime
+from extproc.core.fleet import Cluster
+from extproc.protocol.names import FLEET_HEADERS, ROUTE_HEADER
+
+Mode = Literal["extproc", "round_robin", "ring_hash"]
+MODES: tuple[Mode, ...] = ("extproc", "round_robin", "ring_hash")
+
+FALLBACK_CLUSTER = "all_clusters"
+EXTPROC_CLUSTER = "extproc"
+# Headroom above the processor's own body limit so that the processor, not Envoy, answers an
+# oversized body (with a JSON 413 in the API's format instead of Envoy's plain-text one).
+BUFFER_HEADROOM = 1 << 20
+
+Json = dict[str, Any]
+
+
+def _ext(name: str) -> str:
+    """The @type URL of an Envoy extension config message."""
+    return "type.googleapis.com/envoy.extensions." + name
+
+
+@dataclass(frozen=True, slots=True)
+class EnvoyOptions:
+    mode: Mode = "extproc"
+    access_log_path: str | None = "/dev/stdout"
+    # Host:port overrides for tests and local runs: map compose service names to loopback.
+    host_map: tuple[tuple[str, str], ...] = ()
+
+
+def _map(hostport: str, opts: EnvoyOptions) -> tuple[str, int]:
+    mapped = dict(opts.host_map).get(hostport, hostport)
+    host, _, port = mapped.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _endpoint(hostport: str, opts: EnvoyOptions) -> Json:
+    host, port = _map(hostport, opts)
+    return {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
+
+
+def _inference_cluster(
+    name: str, endpoints: list[str], health_path: str, opts: EnvoyOptions
+) -> Json:
+    return {
+        "name": name,
+        "type": "STRICT_DNS",
+        "dns_lookup_family": "V4_PREFERRED",
+        "connect_timeout": "0.25s",
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [_endpoint(e, opts) for e in endpoints]}],
+        },
+        # Active checks find a dead cluster within ~1 s even when it gets no traffic.
+        "health_checks": [
+            {
+                "timeout": "0.5s",
+                "interval": "1s",
+                "no_traffic_interval": "1s",
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "http_health_check": {"path": health_path},
+            }
+        ],
+        # Eject on gateway / local-origin failures only: a model server's legitimate 500 (a bad
+        # prompt, an OOM on one request) must not take a whole cluster out of rotation.
+        "outlier_detection": {
+            "consecutive_5xx": 5,
+            "enforcing_consecutive_5xx": 0,
+            "consecutive_gateway_failure": 1,
+            "enforcing_consecutive_gateway_failure": 100,
+            "interval": "1s",
+            "base_ejection_time": "10s",
+            "max_ejection_percent": 100,
+        },
+    }
+
+
+def _aggregate(primary: str, secondary: str) -> Json:
+    # Priority order = failover order: the secondary is used only when the primary is unhealthy
+    # or when a retry moves on (previous_priorities).
+    return {
+        "name": f"{primary}__{secondary}",
+        "connect_timeout": "0.25s",
+        "lb_policy": "CLUSTER_PROVIDED",
+        "cluster_type": {
+            "name": "envoy.clusters.aggregate",
+            "typed_config": {
+                "@type": _ext("clusters.aggregate.v3.ClusterConfig"),
+                "clusters": [primary, secondary],
+            },
+        },
+    }
+
+
+def _retry_policy() -> Json:
+    # A retry can only happen before response headers; an SSE stream already started cannot be
+    # retried. previous_priorities moves the retry to the aggregate's next priority (the
+    # secondary); previous_hosts keeps it off the host that just failed.
+    return {
+        "retry_on": "connect-failure,reset,refused-stream,gateway-error",
+        "num_retries": 2,
+        "retry_priority": {
+            "name": "envoy.retry_priorities.previous_priorities",
+            "typed_config": {
+                "@type": _ext("retry.priority.previous_priorities.v3.PreviousPrioritiesConfig"),
+                "update_frequency": 1,
+            },
+        },
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": _ext("retry.host.previous_hosts.v3.PreviousHostsPredicate")
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 3,
+    }
+
+
+def _fallback_retry_policy() -> Json:
+    return {
+        "retry_on": "connect-failure,reset,refused-stream,gateway-error",
+        "num_retries": 2,
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    "@type": _ext("retry.host.previous_hosts.v3.PreviousHostsPredicate")
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 3,
+    }
+
+
+def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
+    timeout = _seconds(runtime.config.listener.route_timeout_s)
+    fallback: Json = {
+        "match": {"prefix": "/"},
+        "route": {
+            "cluster": FALLBACK_CLUSTER,
+            "timeout": timeout,
+            "retry_policy": _fallback_retry_policy(),
+        },
+    }
+    if opts.mode == "ring_hash":
+        header = runtime.config.session.header or "x-session-id"
+        fallback["route"]["hash_policy"] = [{"header": {"header_name": header}}]
+    if opts.mode != "extproc":
+        return [fallback]
+    by_header = {
+        "match": {"prefix": "/", "headers": [{"name": ROUTE_HEADER, "present_match": True}]},
+        "route": {
+            "cluster_header": ROUTE_HEADER,
+            "timeout": timeout,
+            "retry_policy": _retry_policy(),
+        },
+    }
+    return [by_header, fallback]
+
+
+def _ext_proc_filter(runtime: Runtime) -> Json:
+    proc = runtime.config.processor
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": _ext("filters.http.ext_proc.v3.ExternalProcessor"),
+            "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, "timeout": "5s"},
+            # open: with the processor down the request continues without our headers and takes
+            # the fallback route; closed: Envoy answers status_on_error.
+            "failure_mode_allow": proc.failure_mode == "open",
+            "status_on_error": {"code": "ServiceUnavailable"},
+            # The default 200 ms is too short to ship a multi-MB body to the processor.
+            "message_timeout": f"{proc.message_timeout_ms / 1000:g}s",
+            "processing_mode": {
+                # SEND: routing from the body needs the header phase; with SKIP the route is
+                # already final and clear_route_cache does nothing.
+                "request_header_mode": "SEND",
+                # BUFFERED: the whole body in one message (BUFFERED_PARTIAL truncates JSON).
+                "request_body_mode": "BUFFERED",
+                # Each extra phase costs a gRPC exchange (70-90 µs): ask only for what we use.
+                "response_header_mode": "SKIP",
+                "response_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+
+
+def _access_log(path: str) -> list[Json]:
+    fmt = {
+        "time": "%START_TIME%",
+        "method": "%REQ(:METHOD)%",
+        "path": "%REQ(:PATH)%",
+        "status": "%RESPONSE_CODE%",
+        "flags": "%RESPONSE_FLAGS%",
+        "route_cluster": "%UPSTREAM_CLUSTER%",
+        "upstream": "%UPSTREAM_HOST%",
+        "primary": "%REQ(X-FLEET-PRIMARY)%",
+        "class": "%REQ(X-FLEET-CLASS)%",
+        "session": "%REQ(X-FLEET-SESSION)%",
+        "duration_ms": "%DURATION%",
+        "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+        "request_id": "%REQ(X-REQUEST-ID)%",
+    }
+    return [
+        {
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": _ext("access_loggers.file.v3.FileAccessLog"),
+                "path": path,
+                "log_format": {"json_format": fmt},
+            },
+        }
+    ]
+
+
+def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
+    filters: list[Json] = []
+    if opts.mode == "extproc":
+        filters.append(_ext_proc_filter(runtime))
+    filters.append(
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": _ext("filters.http.router.v3.Router")},
+        }
+    )
+    hcm: Json = {
+        "@type": _ext("filters.network.http_connection_manager.v3.HttpConnectionManager"),
+        "stat_prefix": "ingress",
+        "codec_type": "AUTO",
+        # LLM requests are slow: the whole-request timeout is the route's; streams only idle out.
+        "request_timeout": "0s",
+        "stream_idle_timeout": "300s",
+        "route_config": {
+            "name": "fleet",
+            # Stripped from external requests before any filter runs: a client cannot pick its
+            # own cluster or class, even when the processor is down (fail-open).
+            "internal_only_headers": list(FLEET_HEADERS),
+            "virtual_hosts": [
+                {"name": "fleet", "domains": ["*"], "routes": _routes(runtime, opts)}
+            ],
+        },
+        "http_filters": filters,
+    }
+    if opts.access_log_path:
+        hcm["access_log"] = _access_log(opts.access_log_path)
+    return hcm
+
+
+def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
+    clusters: list[Cluster] = list(runtime.clusters)
+    out = [_inference_cluster(c.name, list(c.endpoints), c.health_path, opts) for c in clusters]
+    every_endpoint = [e for c in clusters for e in c.endpoints]
+    fallback = _inference_cluster(FALLBACK_CLUSTER, every_endpoint, clusters[0].health_path, opts)
+    if opts.mode == "ring_hash":
+        fallback["lb_policy"] = "RING_HASH"
+    out.append(fallback)
+    if opts.mode == "extproc":
+        out.extend(_aggregate(p.name, s.name) for p, s in itertools.permutations(clusters, 2))
+        host, port = _map(
+            f"{runtime.config.processor.address}:{runtime.config.processor.port}", opts
+        )
+        out.append(
+            {
+                "name": EXTPROC_CLUSTER,
+                "type": "STRICT_DNS",
+                "dns_lookup_family": "V4_PREFERRED",
+                "connect_timeout": "0.25s",
+                "load_assignment": {
+                    "cluster_name": EXTPROC_CLUSTER,
+                    "endpoints": [
+                        {
+                            "lb_endpoints": [
+                                {
+                                    "endpoint": {
+                                        "address": {
+                                            "socket_address": {"address": host, "port_value": port}
+                                        }
+                                    }
+                                }
+                            ]
+                        }
+                    ],
+                },
+                # ext_proc is gRPC: the cluster must speak HTTP/2.
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": _ext("upstreams.http.v3.HttpProtocolOptions"),
+                        "explicit_http_config": {"http2_protocol_options": {}},
+                    }
+                },
+            }
+        )
+    return out
+
+
+def render_bootstrap(runtime: Runtime, opts: EnvoyOptions | None = None) -> Json:
+    opts = opts or EnvoyOptions()
+    cfg = runtime.config
+    return {
+        "admin": {
+            # Admin can drain and reconfigure Envoy: never expose it beyond loopback.
+            "address": {
+                "socket_address": {"address": "127.0.0.1", "port_value": cfg.listener.admin_port}
+            }
+        },
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "ingress",
+                    "address": {
+                        "socket_address": {
+                            "address": _map(f"{cfg.listener.address}:{cfg.listener.port}", opts)[0],
+                            "port_value": _map(f"{cfg.listener.address}:{cfg.listener.port}", opts)[
+                                1
+                            ],
+                        }
+                    },
+                    # Long-context bodies are MBs of JSON; the default 1 MiB buffer gives 413.
+                    "per_connection_buffer_limit_bytes": cfg.processor.max_body_bytes
+                    + BUFFER_HEADROOM,
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": _http_connection_manager(runtime, opts),
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": _clusters(runtime, opts),
+        },
+    }
