@@ -1,0 +1,1 @@
+"""Test and benchmark harness: simulated inference clusters, traces, workloads, the replayer."""

@@ -1,0 +1,658 @@
+"""A simulated inference cluster: an aiohttp server around ``kvmodel.ClusterModel``.
+
+It speaks just enough of three APIs for Envoy, the processor and the replayer to treat it as a
+real OpenAI-compatible / Anthropic-compatible backend:
+
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI), ``POST /v1/messages``
+  (Anthropic), streaming (SSE) and not, each in its own wire format, with usage in the body
+  (in streams: the last event before the terminator, like ``stream_options.include_usage``);
+- ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``;
+- ``POST /admin/fault`` to inject failures: ``none`` | ``refuse`` | ``error`` | ``slow`` |
+  ``hang`` (``GET`` shows the current one).
+
+Every response names the cluster in ``x-served-by`` (how e2e tests and the replayer see where
+Envoy routed a request) and every inference response carries a load report twice: the ORCA
+``endpoint-load-metrics`` header in its TEXT format, which Envoy parses natively, and the
+simpler ``x-fleet-load`` header. ``x-sim-ttft-ms`` and ``x-sim-cached-tokens`` expose the
+model's plan to tests.
+
+Anthropic usage follows the real API: ``input_tokens`` counts only the uncached part;
+``input_tokens + cache_read_input_tokens`` is the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
+from prometheus_client.exposition import generate_latest
+
+from extproc.harness.kvmodel import ClusterModel, ClusterParams, LoadSnapshot, ModelRequest, Plan
+from extproc.harness.prompts import (
+    ApiKind,
+    PromptError,
+    block_hashes,
+    canonical_prompt,
+    count_tokens,
+)
+
+log = logging.getLogger(__name__)
+
+FaultMode = Literal["none", "refuse", "error", "slow", "hang"]
+FAULT_MODES: tuple[str, ...] = get_args(FaultMode)
+
+SERVED_BY = "x-served-by"
+ORCA_HEADER = "endpoint-load-metrics"
+FLEET_LOAD_HEADER = "x-fleet-load"
+SIM_TTFT_HEADER = "x-sim-ttft-ms"
+SIM_CACHED_HEADER = "x-sim-cached-tokens"
+
+# A 1M-token prompt is ~4 MB of text; aiohttp's default body limit is 1 MiB.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+# Streams group tokens so that one write covers at least this much wall time; thousands of
+# concurrent streams writing every 0.2 ms would measure the event loop, not the model.
+MIN_CHUNK_INTERVAL_S = 0.005
+# Four-character "tokens" (three letters and a space) keep output length == tokens * 4.
+_OUTPUT_WORDS = ("the", "sim", "kv ", "ok ", "and", "one", "two", "via", "new", "run")
+
+
+class FaultError(ValueError):
+    """An /admin/fault payload that does not describe a fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    mode: FaultMode = "none"
+    status: int = 503
+    factor: float = 5.0
+
+    @classmethod
+    def from_json(cls, payload: object) -> Fault:
+        if not isinstance(payload, Mapping):
+            raise FaultError("body must be a JSON object")
+        unknown = set(payload) - {"mode", "status", "factor"}
+        if unknown:
+            raise FaultError(f"unknown fields: {sorted(unknown)}")
+        mode = payload.get("mode", "none")
+        if mode not in FAULT_MODES:
+            raise FaultError(f"mode must be one of {list(FAULT_MODES)}, got {mode!r}")
+        status = payload.get("status", 503)
+        if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
+            raise FaultError(f"status must be an integer in 400..599, got {status!r}")
+        factor = payload.get("factor", 5.0)
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+            raise FaultError(f"factor must be a number > 0, got {factor!r}")
+        return cls(mode=mode, status=status, factor=float(factor))
+
+    def to_json(self) -> dict[str, object]:
+        return {"mode": self.mode, "status": self.status, "factor": self.factor}
+
+
+@dataclass(frozen=True, slots=True)
+class SimClusterConfig:
+    name: str = "sim"
+    params: ClusterParams = field(default_factory=ClusterParams)
+    max_output: int = 64
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name must not be empty")
+        if self.max_output < 1:
+            raise ValueError("max_output must be >= 1")
+
+
+def _reader(
+    load: Callable[[], LoadSnapshot], pick: Callable[[LoadSnapshot], float]
+) -> Callable[[], float]:
+    # Evaluated at scrape time, so gauges always show the model's state at that instant.
+    return lambda: float(pick(load()))
+
+
+class SimMetrics:
+    """Prometheus metrics of one simulated cluster, on an injected registry."""
+
+    def __init__(self, registry: CollectorRegistry, load: Callable[[], LoadSnapshot]) -> None:
+        self.requests = Counter(
+            "sim_requests",
+            "Inference requests by API and status",
+            ["api", "code"],
+            registry=registry,
+        )
+        self.prefix_hits = Counter(
+            "sim_prefix_cache_hits", "Requests with at least one cached block", registry=registry
+        )
+        self.prompt_tokens = Counter("sim_prompt_tokens", "Prompt tokens", registry=registry)
+        self.cached_tokens = Counter(
+            "sim_cached_tokens", "Prompt tokens served from the prefix cache", registry=registry
+        )
+        self.uncached_tokens = Counter(
+            "sim_uncached_tokens", "Prompt tokens prefilled", registry=registry
+        )
+        self.generation_tokens = Counter(
+            "sim_generation_tokens", "Output tokens", registry=registry
+        )
+        self.evictions = Counter(
+            "sim_prefix_cache_evictions", "Blocks evicted from the prefix cache", registry=registry
+        )
+        self.disconnects = Counter(
+            "sim_client_disconnects", "Streams the client closed early", registry=registry
+        )
+        self.fault = Gauge(
+            "sim_fault_mode", "1 for the active fault mode", ["mode"], registry=registry
+        )
+        gauges: list[tuple[str, str, Callable[[LoadSnapshot], float]]] = [
+            ("sim_queue_depth", "Requests waiting for prefill", lambda s: s.queued),
+            ("sim_inflight_requests", "Requests queued or running", lambda s: s.inflight),
+            ("sim_kv_usage_ratio", "KV held by running requests / capacity", lambda s: s.kv_usage),
+            ("sim_prefix_cache_fill_ratio", "Prefix cache fill", lambda s: s.cache_fill),
+            # vLLM's names, so a scraper written for vLLM (e.g. the Gateway API Inference
+            # Extension's endpoint picker) reads the simulator unchanged.
+            ("vllm:num_requests_waiting", "Requests waiting (vLLM name)", lambda s: s.queued),
+            (
+                "vllm:num_requests_running",
+                "Requests running (vLLM name)",
+                lambda s: s.inflight - s.queued,
+            ),
+            ("vllm:kv_cache_usage_perc", "KV usage 0..1 (vLLM name)", lambda s: s.kv_usage),
+        ]
+        for name, help_text, pick in gauges:
+            gauge = Gauge(name, help_text, registry=registry)
+            gauge.set_function(_reader(load, pick))
+
+    def set_fault(self, mode: str) -> None:
+        for candidate in FAULT_MODES:
+            self.fault.labels(mode=candidate).set(1.0 if candidate == mode else 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    api: ApiKind
+    model: str
+    stream: bool
+    prompt_tokens: int
+    hashes: tuple[int, ...]
+    output_tokens: int
+    requested_tokens: int
+
+
+def _error_body(api: ApiKind, status: int, message: str) -> dict[str, object]:
+    if api == "anthropic-messages":
+        kind = {
+            400: "invalid_request_error",
+            413: "request_too_large",
+            429: "rate_limit_error",
+            503: "overloaded_error",
+            529: "overloaded_error",
+        }.get(status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def _requested_tokens(api: ApiKind, body: Mapping[str, Any]) -> int | None:
+    names = ("max_completion_tokens", "max_tokens") if api == "openai-chat" else ("max_tokens",)
+    for name in names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PromptError(f"{name} must be a positive integer")
+        return value
+    return None
+
+
+def _output_text(start: int, count: int) -> str:
+    return "".join(_OUTPUT_WORDS[i % len(_OUTPUT_WORDS)] + " " for i in range(start, start + count))
+
+
+def _finish_reason(parsed: _Parsed) -> str:
+    truncated = parsed.output_tokens >= parsed.requested_tokens
+    if parsed.api == "anthropic-messages":
+        return "max_tokens" if truncated else "end_turn"
+    return "length" if truncated else "stop"
+
+
+def _openai_usage(parsed: _Parsed, plan: Plan) -> dict[str, object]:
+    return {
+        "prompt_tokens": parsed.prompt_tokens,
+        "completion_tokens": parsed.output_tokens,
+        "total_tokens": parsed.prompt_tokens + parsed.output_tokens,
+        "prompt_tokens_details": {"cached_tokens": plan.cached_tokens},
+    }
+
+
+def _anthropic_usage(plan: Plan, output_tokens: int) -> dict[str, object]:
+    return {
+        "input_tokens": plan.uncached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": plan.cached_tokens,
+        "output_tokens": output_tokens,
+    }
+
+
+def _sse(data: Mapping[str, object], event: str | None = None) -> bytes:
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+class SimCluster:
+    """The HTTP shell: parses requests, asks the model for a plan, sleeps until it plays out."""
+
+    def __init__(
+        self,
+        config: SimClusterConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.config = config
+        self.model = ClusterModel(config.params)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self.metrics = SimMetrics(self.registry, lambda: self.model.load(self._clock()))
+        self.metrics.set_fault("none")
+        self._fault = Fault()
+        self._ids = itertools.count(1)
+        # Set whenever the cluster is not hanging; hanging requests wait on it.
+        self._unhang = asyncio.Event()
+        self._unhang.set()
+        self._closing = False
+
+    @property
+    def fault(self) -> Fault:
+        return self._fault
+
+    def set_fault(self, fault: Fault) -> None:
+        self._fault = fault
+        self.model.set_slowdown(fault.factor if fault.mode == "slow" else 1.0)
+        self.metrics.set_fault(fault.mode)
+        if fault.mode == "hang":
+            self._unhang.clear()
+        else:
+            self._unhang.set()
+        log.info("cluster %s: fault %s", self.config.name, fault.to_json())
+
+    def release(self) -> None:
+        """Let hanging requests finish (with a 503) so a server can shut down promptly."""
+        self._closing = True
+        self._unhang.set()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/messages", self._messages)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/admin/fault", self._set_fault)
+        app.router.add_get("/admin/fault", self._get_fault)
+        return app
+
+    # -- small endpoints -------------------------------------------------------------------
+
+    def _base_headers(self) -> dict[str, str]:
+        return {SERVED_BY: self.config.name}
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self._fault.mode == "refuse":
+            return web.json_response(
+                {"status": "refusing", "cluster": self.config.name},
+                status=503,
+                headers=self._base_headers(),
+            )
+        return web.json_response(
+            {"status": "ok", "cluster": self.config.name}, headers=self._base_headers()
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(self.registry), headers=self._base_headers())
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": "sim", "object": "model", "owned_by": "sim"}]},
+            headers=self._base_headers(),
+        )
+
+    async def _get_fault(self, request: web.Request) -> web.Response:
+        return web.json_response(self._fault.to_json(), headers=self._base_headers())
+
+    async def _set_fault(self, request: web.Request) -> web.Response:
+        try:
+            fault = Fault.from_json(orjson.loads(await request.read()))
+        except (orjson.JSONDecodeError, FaultError) as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        self.set_fault(fault)
+        return web.json_response(fault.to_json(), headers=self._base_headers())
+
+    # -- inference ---------------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._inference(request, "openai-chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._inference(request, "openai-completions")
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._inference(request, "anthropic-messages")
+
+    def _error(self, api: ApiKind, status: int, message: str) -> web.Response:
+        self.metrics.requests.labels(api=api, code=str(status)).inc()
+        return web.json_response(
+            _error_body(api, status, message), status=status, headers=self._base_headers()
+        )
+
+    def _parse(self, api: ApiKind, raw: bytes) -> _Parsed:
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise PromptError(f"body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise PromptError("body must be a JSON object")
+        text = canonical_prompt(api, body)
+        requested = _requested_tokens(api, body)
+        max_output = self.config.max_output
+        output = max_output if requested is None else min(requested, max_output)
+        model = body.get("model")
+        return _Parsed(
+            api=api,
+            model=model if isinstance(model, str) else "sim",
+            stream=body.get("stream") is True,
+            prompt_tokens=count_tokens(text),
+            hashes=block_hashes(text),
+            output_tokens=output,
+            requested_tokens=output if requested is None else requested,
+        )
+
+    async def _inference(self, request: web.Request, api: ApiKind) -> web.StreamResponse:
+        while self._fault.mode == "hang" and not self._closing:
+            await self._unhang.wait()
+        if self._closing:
+            return self._error(api, 503, "cluster shutting down")
+        fault = self._fault
+        if fault.mode == "refuse":
+            # Drop the connection without a status line: Envoy sees a connect/reset failure,
+            # which is what a dead backend looks like, not an HTTP error it could pass on.
+            if request.transport is not None:
+                request.transport.abort()
+            self.metrics.requests.labels(api=api, code="refused").inc()
+            return web.Response(status=503)
+        if fault.mode == "error":
+            return self._error(api, fault.status, f"injected fault: {fault.status}")
+        try:
+            parsed = self._parse(api, await request.read())
+        except PromptError as exc:
+            return self._error(api, 400, str(exc))
+
+        evictions_before = self.model.cache.evictions
+        plan = self.model.admit(
+            ModelRequest(parsed.hashes, parsed.prompt_tokens, parsed.output_tokens), self._clock()
+        )
+        self._record(parsed, plan, self.model.cache.evictions - evictions_before)
+        request_id = next(self._ids)
+        if parsed.stream:
+            return await self._stream(request, parsed, plan, request_id)
+        await self._sleep_until(plan.done_at)
+        body = self._full_body(parsed, plan, request_id)
+        self.metrics.requests.labels(api=api, code="200").inc()
+        return web.json_response(body, headers=self._response_headers(plan), dumps=_dumps)
+
+    def _record(self, parsed: _Parsed, plan: Plan, evicted: int) -> None:
+        metrics = self.metrics
+        metrics.prompt_tokens.inc(parsed.prompt_tokens)
+        metrics.cached_tokens.inc(plan.cached_tokens)
+        metrics.uncached_tokens.inc(plan.uncached_tokens)
+        metrics.generation_tokens.inc(parsed.output_tokens)
+        if plan.cached_tokens > 0:
+            metrics.prefix_hits.inc()
+        if evicted:
+            metrics.evictions.inc(evicted)
+
+    async def _sleep_until(self, instant: float) -> None:
+        delay = instant - self._clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def _response_headers(self, plan: Plan) -> dict[str, str]:
+        load = self.model.load(self._clock())
+        cpu = min(1.0, load.inflight / self.config.params.max_concurrency)
+        headers = self._base_headers()
+        # ORCA native-HTTP ("TEXT") format as Envoy's parser reads it: comma-separated
+        # key=value pairs, standard fields by name and custom ones under "named_metrics.";
+        # values must be finite and non-negative, and no key may repeat.
+        headers[ORCA_HEADER] = (
+            f"TEXT cpu_utilization={cpu:.4f}, mem_utilization={load.kv_usage:.4f}, "
+            f"named_metrics.kv_cache={load.kv_usage:.4f}, named_metrics.queue={load.queued}, "
+            f"named_metrics.inflight={load.inflight}"
+        )
+        headers[FLEET_LOAD_HEADER] = (
+            f"kv={load.kv_usage:.4f},queue={load.queued},inflight={load.inflight}"
+        )
+        headers[SIM_TTFT_HEADER] = f"{plan.sim_ttft_s * 1000.0:.3f}"
+        headers[SIM_CACHED_HEADER] = str(plan.cached_tokens)
+        return headers
+
+    def _full_body(self, parsed: _Parsed, plan: Plan, request_id: int) -> dict[str, object]:
+        text = _output_text(0, parsed.output_tokens)
+        finish = _finish_reason(parsed)
+        created = int(self._wall_clock())
+        if parsed.api == "anthropic-messages":
+            return {
+                "id": f"msg_sim{request_id}",
+                "type": "message",
+                "role": "assistant",
+                "model": parsed.model,
+                "content": [{"type": "text", "text": text}],
+                "stop_reason": finish,
+                "stop_sequence": None,
+                "usage": _anthropic_usage(plan, parsed.output_tokens),
+            }
+        if parsed.api == "openai-completions":
+            return {
+                "id": f"cmpl-sim{request_id}",
+                "object": "text_completion",
+                "created": created,
+                "model": parsed.model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                "usage": _openai_usage(parsed, plan),
+            }
+        return {
+            "id": f"chatcmpl-sim{request_id}",
+            "object": "chat.completion",
+            "created": created,
+            "model": parsed.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish,
+                }
+            ],
+            "usage": _openai_usage(parsed, plan),
+        }
+
+    async def _stream(
+        self, request: web.Request, parsed: _Parsed, plan: Plan, request_id: int
+    ) -> web.StreamResponse:
+        # Headers go out with the first token: until then a real engine has nothing to send,
+        # and a long prefill shows up as a slow response start (what Envoy's timeouts see).
+        await self._sleep_until(plan.first_token_at)
+        response = web.StreamResponse(status=200, headers=self._response_headers(plan))
+        response.content_type = "text/event-stream"
+        response.headers["Cache-Control"] = "no-cache"
+        events = _StreamEvents(parsed, plan, request_id, int(self._wall_clock()))
+        total = parsed.output_tokens
+        per_token = (plan.done_at - plan.first_token_at) / max(1, total - 1)
+        step = 1 if per_token <= 0 else max(1, math.ceil(MIN_CHUNK_INTERVAL_S / per_token))
+        try:
+            await response.prepare(request)
+            await response.write(events.opening())
+            sent = 1
+            while sent < total:
+                count = min(step, total - sent)
+                await self._sleep_until(plan.first_token_at + (sent + count - 1) * per_token)
+                await response.write(events.delta(sent, count))
+                sent += count
+            await response.write(events.closing())
+            await response.write_eof()
+        except ConnectionResetError:
+            self.metrics.disconnects.inc()
+            self.metrics.requests.labels(api=parsed.api, code="client_closed").inc()
+            return response
+        self.metrics.requests.labels(api=parsed.api, code="200").inc()
+        return response
+
+
+@dataclass(frozen=True, slots=True)
+class _StreamEvents:
+    """The SSE events of one streamed response, in the request's API format."""
+
+    parsed: _Parsed
+    plan: Plan
+    request_id: int
+    created: int
+
+    def _openai_chunk(self, choice: dict[str, object] | None) -> dict[str, object]:
+        chat = self.parsed.api == "openai-chat"
+        return {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-sim{self.request_id}",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": self.created,
+            "model": self.parsed.model,
+            "choices": [] if choice is None else [choice],
+        }
+
+    def _openai_choice(self, text: str, finish: str | None, first: bool) -> dict[str, object]:
+        if self.parsed.api == "openai-completions":
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        delta: dict[str, object] = {"content": text}
+        if first:
+            delta = {"role": "assistant", "content": text}
+        return {"index": 0, "delta": delta, "finish_reason": finish}
+
+    def opening(self) -> bytes:
+        first = _output_text(0, 1)
+        if self.parsed.api != "anthropic-messages":
+            return _sse(self._openai_chunk(self._openai_choice(first, None, first=True)))
+        message: dict[str, object] = {
+            "id": f"msg_sim{self.request_id}",
+            "type": "message",
+            "role": "assistant",
+            "model": self.parsed.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _anthropic_usage(self.plan, 1),
+        }
+        return (
+            _sse({"type": "message_start", "message": message}, "message_start")
+            + _sse(
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+                "content_block_start",
+            )
+            + self._anthropic_delta(first)
+        )
+
+    def _anthropic_delta(self, text: str) -> bytes:
+        return _sse(
+            {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": text},
+            },
+            "content_block_delta",
+        )
+
+    def delta(self, start: int, count: int) -> bytes:
+        text = _output_text(start, count)
+        if self.parsed.api == "anthropic-messages":
+            return self._anthropic_delta(text)
+        return _sse(self._openai_chunk(self._openai_choice(text, None, first=False)))
+
+    def closing(self) -> bytes:
+        finish = _finish_reason(self.parsed)
+        if self.parsed.api == "anthropic-messages":
+            usage = _anthropic_usage(self.plan, self.parsed.output_tokens)
+            return (
+                _sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+                + _sse(
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": finish, "stop_sequence": None},
+                        "usage": usage,
+                    },
+                    "message_delta",
+                )
+                + _sse({"type": "message_stop"}, "message_stop")
+            )
+        finish_chunk = self._openai_chunk(self._openai_choice("", finish, first=False))
+        usage_chunk = self._openai_chunk(None)
+        usage_chunk["usage"] = _openai_usage(self.parsed, self.plan)
+        return _sse(finish_chunk) + _sse(usage_chunk) + b"data: [DONE]\n\n"
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+@dataclass(slots=True)
+class RunningSimCluster:
+    """A sim cluster listening on a socket; ``close()`` stops it."""
+
+    cluster: SimCluster
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return self.cluster.config.name
+
+    async def close(self) -> None:
+        self.cluster.release()
+        await self.runner.cleanup()
+
+
+async def start_sim_cluster(
+    config: SimClusterConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    clock: Callable[[], float] = time.monotonic,
+    registry: CollectorRegistry | None = None,
+    shutdown_timeout: float = 1.0,
+    access_log: bool = False,
+) -> RunningSimCluster:
+    """Start a sim cluster on ``host:port`` (port 0 picks a free port) in the running loop."""
+    cluster = SimCluster(config, clock=clock, registry=registry)
+    runner = web.AppRunner(
+        cluster.app(),
+        shutdown_timeout=shutdown_timeout,
+        access_log=log if access_log else None,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound_port = int(runner.addresses[0][1])
+    return RunningSimCluster(cluster, runner, host, bound_port)
