@@ -148,18 +148,45 @@ def _opening_of_messages(messages: list[object], opening: _Opening) -> None:
         return
 
 
-def prefix_material(api: Api, doc: Mapping[str, object], rules: KeyRules) -> bytes | BadRequest:
-    opening = _Opening(rules)
+def shape_error(api: Api, doc: Mapping[str, object]) -> BadRequest | None:
+    """The API's main input field has the wrong type (or is missing).
+
+    Checked for every request, not only those keyed by prefix: a request must not become valid
+    because it happens to carry a session header or a ``user`` field.
+    """
     style = api.error_style
     if api is Api.OPENAI_CHAT or api is Api.ANTHROPIC_MESSAGES:
-        messages = doc.get("messages")
-        if not isinstance(messages, list):
+        if not isinstance(doc.get("messages"), list):
             return BadRequest(
                 400, "'messages' must be an array", "invalid_request_error", style, "messages"
             )
+    elif api is Api.OPENAI_RESPONSES:
+        if not isinstance(doc.get("input"), (str, list)):
+            return BadRequest(
+                400, "'input' must be a string or an array", "invalid_request_error", style, "input"
+            )
+    elif not isinstance(doc.get("prompt"), (str, list)):
+        return BadRequest(
+            400,
+            "'prompt' must be a string or an array",
+            "invalid_request_error",
+            style,
+            "prompt",
+        )
+    return None
+
+
+def prefix_material(api: Api, doc: Mapping[str, object], rules: KeyRules) -> bytes | BadRequest:
+    bad = shape_error(api, doc)
+    if bad is not None:
+        return bad
+    opening = _Opening(rules)
+    if api is Api.OPENAI_CHAT or api is Api.ANTHROPIC_MESSAGES:
         if api is Api.ANTHROPIC_MESSAGES:
             opening.add_system(doc.get("system"))
-        _opening_of_messages(messages, opening)
+        messages = doc.get("messages")
+        if isinstance(messages, list):  # always, after shape_error; narrows the type
+            _opening_of_messages(messages, opening)
     elif api is Api.OPENAI_RESPONSES:
         opening.add_system(doc.get("instructions"))
         items = doc.get("input")
@@ -167,10 +194,6 @@ def prefix_material(api: Api, doc: Mapping[str, object], rules: KeyRules) -> byt
             opening.set_first("user", items)
         elif isinstance(items, list):
             _opening_of_messages(items, opening)
-        else:
-            return BadRequest(
-                400, "'input' must be a string or an array", "invalid_request_error", style, "input"
-            )
     else:  # completions: no roles, the prompt's first characters play both parts
         prompt = doc.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -180,20 +203,15 @@ def prefix_material(api: Api, doc: Mapping[str, object], rules: KeyRules) -> byt
         elif isinstance(prompt, list):
             ids = prompt[: rules.prompt_chars // 4]  # token ids: ~4 characters each
             opening.first = "ids\x1f" + ",".join(str(t) for t in ids)
-        else:
-            return BadRequest(
-                400,
-                "'prompt' must be a string or an array",
-                "invalid_request_error",
-                style,
-                "prompt",
-            )
     return opening.material()
 
 
 def derive_session_key(
     api: Api, headers: Mapping[str, str], doc: Mapping[str, object], rules: KeyRules
 ) -> SessionKey | BadRequest:
+    bad = shape_error(api, doc)
+    if bad is not None:
+        return bad
     if rules.header:
         value = headers.get(rules.header)
         if value:
