@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from extproc.config.runtime import Runtime, compile_runtime
-from extproc.config.schema import FleetConfig
+from extproc.config.schema import RESERVED_CLUSTER_NAMES, FleetConfig
 
 
 class ConfigError(ValueError):
@@ -63,15 +63,33 @@ def cross_check(cfg: FleetConfig) -> list[str]:
     for i, cluster in enumerate(cfg.clusters):
         if cluster.name in names:
             problems.append(f"clusters[{i}].name: duplicate of clusters[{names[cluster.name]}]")
+        if cluster.name in RESERVED_CLUSTER_NAMES:
+            problems.append(
+                f"clusters[{i}].name: {cluster.name!r} is reserved for the rendered Envoy config"
+            )
         names.setdefault(cluster.name, i)
+        for j, endpoint in enumerate(cluster.endpoints):
+            # The schema's pattern admits 1-5 digits; Envoy rejects ports outside 1..65535 only
+            # when it loads the rendered bootstrap, far from the line that is wrong.
+            port = int(endpoint.rpartition(":")[2])
+            if not 0 < port <= 65535:
+                problems.append(f"clusters[{i}].endpoints[{j}]: port {port} is not in 1..65535")
     seen_classes: dict[str, int] = {}
     for i, cls in enumerate(cfg.classes):
         if cls.name in seen_classes:
             problems.append(f"classes[{i}].name: duplicate of classes[{seen_classes[cls.name]}]")
         seen_classes.setdefault(cls.name, i)
+        seen_refs: dict[str, int] = {}
         for j, ref in enumerate(cls.eligible):
             if ref not in names:
                 problems.append(f"classes[{i}].eligible[{j}]: no cluster named {ref!r}")
+            elif ref in seen_refs:
+                # A repeated name would let rendezvous pick the same cluster as primary and
+                # secondary: a route "c1__c1" that no aggregate cluster exists for.
+                problems.append(
+                    f"classes[{i}].eligible[{j}]: duplicate of eligible[{seen_refs[ref]}]"
+                )
+            seen_refs.setdefault(ref, j)
         b = cls.budget
         limit = cls.max_input_tokens
         if b.tokens_per_second and b.burst_tokens and limit and b.burst_tokens < limit:

@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Port = Annotated[int, Field(ge=0, le=65535)]
 # Cluster names become Envoy cluster names and, joined by "__", aggregate-cluster names.
+# Names the Envoy renderer uses for its own clusters (extproc.render.envoy: EXTPROC_CLUSTER and
+# FALLBACK_CLUSTER). An inference cluster with one of these names would collide with them.
+RESERVED_CLUSTER_NAMES = frozenset({"extproc", "all_clusters"})
 ClusterName = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$", max_length=48)]
 ClassName = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9_-]*[a-z0-9])?$", max_length=48)]
 HeaderName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")]
