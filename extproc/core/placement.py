@@ -70,6 +70,11 @@ class Rendezvous:
             raise ValueError("rendezvous needs at least one cluster")
         if len(self.names) != len(self.weights):
             raise ValueError("one weight per cluster")
+        if len(set(self.names)) != len(self.names):
+            # A repeated name could be both primary and secondary of a session.
+            raise ValueError(f"duplicate cluster names in {self.names}")
+        if not all(w > 0 for w in self.weights):
+            raise ValueError(f"weights must be > 0, got {self.weights}")
         object.__setattr__(self, "seeds", tuple(cluster_seed(n) for n in self.names))
         object.__setattr__(self, "equal", len(set(self.weights)) == 1)
 
