@@ -295,21 +295,37 @@ class FleetStack:
         wait_until(lambda: _ok(self.admin_port, "/ready"), 30, "envoy /ready")
         self.wait_healthy(list(self.sim_specs))
 
-    def cluster_health(self) -> dict[str, bool]:
+    def host_health(self) -> dict[tuple[str, str], bool]:
+        """(Envoy cluster, host:port) -> healthy, from Envoy's admin /clusters."""
         _status, body = http_get(self.admin_port, "/clusters")
-        health: dict[str, bool] = {}
+        health: dict[tuple[str, str], bool] = {}
         for line in body.decode().splitlines():
             parts = line.split("::")
-            if len(parts) >= 4 and parts[2] == "health_flags" and parts[0] in self.sim_specs:
-                health[parts[0]] = parts[3].strip() == "healthy"
+            if len(parts) >= 4 and parts[2] == "health_flags":
+                health[(parts[0], parts[1])] = parts[3].strip() == "healthy"
         return health
 
     def wait_healthy(self, names: Sequence[str], healthy: bool = True, timeout: float = 20) -> None:
+        """Wait until Envoy sees these clusters' hosts as (un)healthy, in their own Envoy
+        cluster and in the fallback cluster that holds every endpoint."""
+        addrs = {f"{LOOPBACK}:{self.sim_specs[n].port}": n for n in names}
+
         def check() -> bool:
-            h = self.cluster_health()
-            return all(h.get(n) is healthy for n in names)
+            h = self.host_health()
+            mine = [ok for (_cluster, addr), ok in h.items() if addrs.get(addr) is not None]
+            expected = 2 * len(names)  # its own Envoy cluster + the fallback cluster
+            return len(mine) >= expected and all(ok is healthy for ok in mine)
 
         wait_until(check, timeout, f"envoy to see {list(names)} healthy={healthy}", 0.1)
+
+    def envoy_stat(self, name: str) -> int:
+        """One counter or gauge from Envoy's admin /stats (0 when Envoy has not created it)."""
+        _status, body = http_get(self.admin_port, f"/stats?filter=^{name}$")
+        for line in body.decode().splitlines():
+            key, _, value = line.partition(": ")
+            if key == name:
+                return int(value)
+        return 0
 
     def stop(self) -> None:
         for proc in [self.envoy, *self.procs, *self.sims.values()]:
