@@ -132,9 +132,14 @@ def _message(role: str, content: str) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-def _message_tokens(role: str, content: str) -> int:
-    # Mirrors prompts.canonical_prompt's "<|role|>content\n" framing without building the text.
-    return (len(role) + 5 + len(content)) // CHARS_PER_TOKEN
+def _message_chars(role: str, content: str) -> int:
+    # Mirrors prompts.canonical_prompt's "<|role|>content\n" framing without building the text
+    # (an agent context of 1M tokens would otherwise be rebuilt at every step).
+    return len(role) + 5 + len(content)
+
+
+def _tokens(chars: int) -> int:
+    return -(-chars // CHARS_PER_TOKEN)
 
 
 class _Generator:
@@ -161,7 +166,7 @@ class _Generator:
         self,
         arrival: float,
         messages: list[dict[str, str]],
-        input_tokens: int,
+        prompt_chars: int,
         kind: str,
         session_id: str,
         send_header: bool,
@@ -187,7 +192,7 @@ class _Generator:
                 session_id=session_id,
                 send_session_header=send_header,
                 kind=kind,
-                input_tokens=input_tokens,
+                input_tokens=_tokens(prompt_chars),
                 stream=stream,
                 max_tokens=max_tokens,
             )
@@ -205,7 +210,7 @@ class _Generator:
             send_header = self.rng.random() < config.session_header_share
             system = systems[self.rng.randrange(len(systems))]
             messages = [_message("system", system)]
-            tokens = _message_tokens("system", system)
+            chars = _message_chars("system", system)
             arrival = start
             for turn in range(self.rng.randint(*config.chat_turns)):
                 if arrival >= config.duration_s:
@@ -216,11 +221,11 @@ class _Generator:
                 # prompt still differ within the first ~200 characters (the prefix-affinity key).
                 content = f"[{session}] {text}" if turn == 0 else text
                 messages = [*messages, _message("user", content)]
-                tokens += _message_tokens("user", content)
-                max_tokens = self.emit(arrival, messages, tokens, "chat", session, send_header)
+                chars += _message_chars("user", content)
+                max_tokens = self.emit(arrival, messages, chars, "chat", session, send_header)
                 reply = self.tokens_text(f"{session}:assistant:{turn}", max_tokens)
                 messages = [*messages, _message("assistant", reply)]
-                tokens += _message_tokens("assistant", reply)
+                chars += _message_chars("assistant", reply)
                 arrival += self.rng.expovariate(1.0 / config.chat_think_s)
 
     def rag(self) -> None:
@@ -237,9 +242,9 @@ class _Generator:
             question = self.tokens_text(f"rag:q:{n}", self.rng.randint(20, 80))
             content = f"Document {d}:\n{documents[d]}\n\nQuestion {n}: {question}"
             messages = [_message("system", system), _message("user", content)]
-            tokens = _message_tokens("system", system) + _message_tokens("user", content)
+            chars = _message_chars("system", system) + _message_chars("user", content)
             # One-shot requests: no session header, so routing relies on the shared prefix.
-            self.emit(arrival, messages, tokens, "rag", f"rag-{n}", False)
+            self.emit(arrival, messages, chars, "rag", f"rag-{n}", False)
 
     def agent(self) -> None:
         config = self.config
@@ -253,17 +258,17 @@ class _Generator:
             send_header = self.rng.random() < config.session_header_share
             task = f"[{session}] " + self.tokens_text(f"{session}:task", 300)
             messages = [_message("system", system), _message("user", task)]
-            tokens = _message_tokens("system", system) + _message_tokens("user", task)
+            chars = _message_chars("system", system) + _message_chars("user", task)
             arrival = start
             step = 0
-            while arrival < config.duration_s and tokens <= config.agent_max_context_tokens:
-                max_tokens = self.emit(arrival, messages, tokens, "agent", session, send_header)
+            while arrival < config.duration_s and _tokens(chars) <= config.agent_max_context_tokens:
+                max_tokens = self.emit(arrival, messages, chars, "agent", session, send_header)
                 call = self.tokens_text(f"{session}:call:{step}", max_tokens)
                 result = "Tool result: " + self.tokens_text(
                     f"{session}:result:{step}", config.agent_step_tokens
                 )
                 messages = [*messages, _message("assistant", call), _message("user", result)]
-                tokens += _message_tokens("assistant", call) + _message_tokens("user", result)
+                chars += _message_chars("assistant", call) + _message_chars("user", result)
                 arrival += config.agent_step_s
                 step += 1
 
@@ -273,8 +278,8 @@ class _Generator:
             for n, arrival in enumerate(self.poisson(burst.rate_per_s, burst.start_s, end)):
                 session = f"burst-{b}-{n}"
                 content = f"[{session}] " + self.tokens_text(session, burst.input_tokens)
-                tokens = _message_tokens("user", content)
-                self.emit(arrival, [_message("user", content)], tokens, "burst", session, False)
+                chars = _message_chars("user", content)
+                self.emit(arrival, [_message("user", content)], chars, "burst", session, False)
 
 
 def generate_workload(config: WorkloadConfig) -> list[ReplayRequest]:

@@ -1,0 +1,85 @@
+"""``extproc sim-cluster``: run one simulated inference cluster until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from extproc.harness.kvmodel import ClusterParams
+from extproc.harness.sim_cluster import SimClusterConfig, start_sim_cluster
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--name", default="sim", help="cluster name, echoed in x-served-by")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument("--kv-capacity-tokens", type=int, default=2_000_000)
+    parser.add_argument("--prefill-tps", type=float, default=20_000.0, help="prefill tokens/s")
+    parser.add_argument("--decode-tps", type=float, default=50.0, help="decode tokens/s/request")
+    parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per simulated second (0.01 runs 100x faster than real)",
+    )
+    parser.add_argument("--max-output", type=int, default=64, help="cap on output tokens")
+    parser.add_argument("--access-log", action="store_true", help="log every request")
+
+
+def config_from_args(args: argparse.Namespace) -> SimClusterConfig:
+    params = ClusterParams(
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        prefill_tps=args.prefill_tps,
+        decode_tps=args.decode_tps,
+        max_concurrency=args.max_concurrency,
+        time_scale=args.time_scale,
+    )
+    return SimClusterConfig(name=args.name, params=params, max_output=args.max_output)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    running = await start_sim_cluster(
+        config_from_args(args), host=args.host, port=args.port, access_log=args.access_log
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    # One parseable line on stdout: harnesses that start us with --port 0 read the port here.
+    print(f"sim-cluster {running.name} listening on {running.url}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await running.close()
+
+
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        config_from_args(args)
+    except ValueError as exc:
+        print(f"extproc sim-cluster: {exc}", file=sys.stderr)
+        return 2
+    try:
+        _run(serve(args))
+    except OSError as exc:
+        print(
+            f"extproc sim-cluster: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr
+        )
+        return 1
+    return 0
