@@ -1,0 +1,265 @@
+"""`extproc demo`: the main job. A whole fleet on loopback with the embedded (in-memory) default.
+
+Starts simulated inference clusters, the processor and a real Envoy; sends multi-turn sessions
+over the OpenAI and Anthropic APIs; kills one cluster mid-traffic and brings it back; prints
+which cluster served what, the affinity achieved, the cache hits it bought, and what failover
+cost; writes the same as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import orjson
+
+from extproc.config import Runtime, load_runtime
+from extproc.core.facts import RequestFacts, parse_request
+from extproc.harness.launch import Client, FleetStack
+
+SYSTEM_PROMPTS = (
+    "You are a careful coding assistant. Answer with working code and short explanations. ",
+    "You are a support agent for an online store. Be brief and polite. ",
+    "You summarise documents for busy readers, in plain words. ",
+)
+
+
+@dataclass
+class Turn:
+    session: int
+    turn: int
+    api: str
+    status: int
+    served_by: str
+    primary: str
+    secondary: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    phase: str = ""
+
+
+@dataclass
+class Session:
+    index: int
+    api: str  # "chat" or "messages"
+    system: str
+    header: bool
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+    def next_body(self, turn: int) -> tuple[str, bytes, dict[str, str]]:
+        question = f"Session {self.index}, question {turn}: " + "please explain it in detail. " * 40
+        self.messages.append({"role": "user", "content": question})
+        headers = {"x-session-id": f"demo-{self.index}"} if self.header else {}
+        if self.api == "messages":
+            doc = {
+                "model": "demo",
+                "system": self.system * 30,
+                "messages": self.messages,
+                "max_tokens": 8,
+            }
+            return "/v1/messages", orjson.dumps(doc), headers
+        msgs = [{"role": "system", "content": self.system * 30}, *self.messages]
+        return (
+            "/v1/chat/completions",
+            orjson.dumps({"model": "demo", "messages": msgs, "max_tokens": 8}),
+            headers,
+        )
+
+    def answered(self, turn: int) -> None:
+        self.messages.append({"role": "assistant", "content": f"answer {turn}"})
+
+
+def _usage(api: str, data: bytes) -> tuple[int, int]:
+    try:
+        usage = orjson.loads(data).get("usage", {})
+    except orjson.JSONDecodeError:
+        return 0, 0
+    if api == "messages":
+        cached = int(usage.get("cache_read_input_tokens", 0))
+        return int(usage.get("input_tokens", 0)) + cached, cached
+    details = usage.get("prompt_tokens_details") or {}
+    return int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens", 0))
+
+
+class Demo:
+    def __init__(self, stack: FleetStack, sessions: int, workers: int) -> None:
+        self.stack = stack
+        self.runtime: Runtime = load_runtime(stack.fleet_path)
+        self.sessions = [
+            Session(
+                i, "messages" if i % 3 == 2 else "chat", SYSTEM_PROMPTS[i % 3], header=i % 2 == 0
+            )
+            for i in range(sessions)
+        ]
+        self.workers = workers
+        self.turns: list[Turn] = []
+
+    def _facts(self, path: str, body: bytes, headers: dict[str, str]) -> RequestFacts:
+        hdrs = {"content-type": "application/json", **headers}
+        facts = parse_request(path, hdrs, body, self.runtime.key_rules, self.runtime.parse_limits)
+        assert isinstance(facts, RequestFacts)
+        return facts
+
+    def _one_turn(self, session: Session, turn: int, phase: str, client: Client) -> Turn:
+        path, body, headers = session.next_body(turn)
+        placement = self.runtime.policy.route(self._facts(path, body, headers)).placement
+        status, hdrs, data = client.post_json(path, body, headers)
+        session.answered(turn)
+        prompt, cached = _usage(session.api, data) if status == 200 else (0, 0)
+        return Turn(
+            session.index,
+            turn,
+            session.api,
+            status,
+            hdrs.get("x-served-by", "-"),
+            placement.primary,
+            placement.secondary or placement.primary,
+            prompt,
+            cached,
+            phase,
+        )
+
+    def run_turn(self, turn: int, phase: str) -> list[Turn]:
+        def worker(chunk: list[Session]) -> list[Turn]:
+            client = Client(self.stack.listener_port)
+            try:
+                return [self._one_turn(s, turn, phase, client) for s in chunk]
+            finally:
+                client.close()
+
+        chunks = [self.sessions[i :: self.workers] for i in range(self.workers)]
+        with ThreadPoolExecutor(self.workers) as pool:
+            results = [t for part in pool.map(worker, chunks) for t in part]
+        self.turns.extend(results)
+        return results
+
+
+def _hit_ratio(turns: Iterable[Turn]) -> float:
+    turns = list(turns)
+    prompt = sum(t.prompt_tokens for t in turns)
+    return sum(t.cached_tokens for t in turns) / prompt if prompt else 0.0
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run_demo(
+    workdir: Path, clusters: int, sessions: int, turns: int, workers: int
+) -> dict[str, object]:
+    report: dict[str, object] = {}
+    stack = FleetStack(workdir, clusters=clusters, sim_args=("--time-scale", "0.01"))
+    t0 = time.monotonic()
+    with stack:
+        print(
+            f"fleet up in {time.monotonic() - t0:.1f}s: Envoy :{stack.listener_port} -> "
+            f"extproc :{stack.grpc_port} -> {', '.join(stack.sim_specs)}"
+        )
+        demo = Demo(stack, sessions, workers)
+        for turn in range(turns):
+            demo.run_turn(turn, "steady")
+        steady = [t for t in demo.turns if t.phase == "steady"]
+        per_session: dict[int, set[str]] = collections.defaultdict(set)
+        for t in steady:
+            per_session[t.session].add(t.served_by)
+        sticky = sum(1 for s in per_session.values() if len(s) == 1)
+        on_primary = sum(1 for t in steady if t.served_by == t.primary)
+        load = collections.Counter(t.served_by for t in steady if t.turn == 0)
+        report["steady"] = {
+            "requests": len(steady),
+            "ok": sum(1 for t in steady if t.status == 200),
+            "sessions_on_one_cluster": f"{sticky}/{len(per_session)}",
+            "requests_on_predicted_primary": f"{on_primary}/{len(steady)}",
+            "sessions_per_cluster": dict(sorted(load.items())),
+            "cache_hit_ratio_after_first_turn": round(
+                _hit_ratio(t for t in steady if t.turn > 0), 3
+            ),
+        }
+        print("\n== steady traffic:", sessions, "sessions x", turns, "turns (chat + anthropic) ==")
+        rows = [["cluster", "sessions (primary)", "requests served"]]
+        served = collections.Counter(t.served_by for t in steady)
+        for name in stack.sim_specs:
+            rows.append([name, str(load.get(name, 0)), str(served.get(name, 0))])
+        print(_table(rows))
+        print(
+            f"sessions that stayed on one cluster: {sticky}/{len(per_session)};"
+            f" requests on their predicted primary: {on_primary}/{len(steady)}"
+        )
+        hit_ratio = _hit_ratio(t for t in steady if t.turn > 0)
+        print(f"prefix-cache hit ratio after turn 1: {hit_ratio:.1%}")
+
+        victim = next(iter(stack.sim_specs))
+        print(f"\n== failover: SIGKILL {victim}, then two more turns of every session ==")
+        # No warning to Envoy: the first requests find out by connection failure and are retried
+        # on their secondary; the health check then takes the cluster out of rotation.
+        stack.sims[victim].signal(signal.SIGKILL)
+        outage = demo.run_turn(turns, "outage") + demo.run_turn(turns + 1, "outage")
+        hit = [t for t in outage if t.primary == victim]
+        failed = [t for t in outage if t.status != 200]
+        to_secondary = sum(1 for t in hit if t.served_by == t.secondary)
+        spread = collections.Counter(t.served_by for t in hit)
+        print(
+            f"requests: {len(outage)}, failed: {len(failed)}; requests of sessions with primary"
+            f" {victim}: {len(hit)}, served by their pre-assigned secondary: {to_secondary}"
+        )
+        print(f"where {victim}'s sessions went: {dict(sorted(spread.items()))}")
+        stack.restart_sim(victim)
+        stack.wait_healthy([victim])
+        deadline = time.monotonic() + 10
+        back: list[Turn] = []
+        turn = turns + 2
+        while time.monotonic() < deadline:
+            back = demo.run_turn(turn, "recovered")
+            turn += 1
+            if all(t.served_by == t.primary for t in back):
+                break
+            time.sleep(0.3)
+        returned = sum(1 for t in back if t.primary == victim and t.served_by == victim)
+        moved = sum(1 for t in back if t.primary == victim)
+        print(f"{victim} restarted: its sessions back on it: {returned}/{moved}")
+        report["failover"] = {
+            "killed": victim,
+            "requests_during_outage": len(outage),
+            "failed_during_outage": len(failed),
+            "requests_of_moved_sessions": len(hit),
+            "moved_to_pre_assigned_secondary": to_secondary,
+            "moved_sessions_per_survivor": dict(sorted(spread.items())),
+            "sessions_back_on_primary_after_recovery": returned,
+        }
+    report["elapsed_s"] = round(time.monotonic() - t0, 1)
+    report["turns"] = [asdict(t) for t in demo.turns]
+    return report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clusters", type=int, default=4)
+    parser.add_argument("--sessions", type=int, default=48)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--workers", type=int, default=8, help="concurrent client threads")
+    parser.add_argument("--out", default="out/demo", help="where the report and logs go")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="run-", dir=out))
+    report = run_demo(workdir, args.clusters, args.sessions, args.turns, args.workers)
+    path = out / "report.json"
+    path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    print(f"\nreport: {path}  (process logs and Envoy access log: {workdir})")
+    failover = report["failover"]
+    ok = isinstance(failover, dict) and failover["failed_during_outage"] == 0
+    if not ok:
+        print("demo: requests failed during failover", file=sys.stderr)
+    return 0 if ok else 1
