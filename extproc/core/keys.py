@@ -20,6 +20,7 @@ Raw keys never leave this module: callers get a 16-byte digest and an 8-byte hex
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -83,6 +84,45 @@ def _lookup(doc: Mapping[str, object], path: tuple[str, ...]) -> object:
     return node
 
 
+# Non-text parts (images, files, audio) carry their identity in strings that can be megabytes
+# of base64 whose first kilobytes are often the same for every file (PNG/JPEG headers, colour
+# profiles, EXIF). Without them every "describe this image" conversation would share one key
+# and one cluster. A bounded fingerprint (each string's length, tail and head, for a bounded
+# number of nodes) separates them without reading them whole.
+_FP_HEAD = 32
+_FP_TAIL = 96
+_FP_NODES = 16
+
+
+def _fingerprint(part: Mapping[object, object]) -> str:
+    out: list[str] = []
+    stack: list[object] = [part]
+    visited = 0
+    while stack and visited < _FP_NODES:
+        node = stack.pop()
+        visited += 1
+        if isinstance(node, str):
+            if len(node) <= _FP_HEAD + _FP_TAIL:
+                out.append(node)
+            else:
+                out.append(f"{len(node)}:{node[-_FP_TAIL:]}:{node[:_FP_HEAD]}")
+        elif isinstance(node, Mapping):
+            # Sorted so that clients that order JSON keys differently still agree.
+            items = sorted(
+                ((str(k), v) for k, v in itertools.islice(node.items(), _FP_NODES)),
+                key=lambda kv: kv[0],
+                reverse=True,
+            )
+            for name, value in items:
+                stack.append(value)
+                stack.append(name)
+        elif isinstance(node, list):
+            stack.extend(reversed(node[:_FP_NODES]))
+        elif node is not None:
+            out.append(str(node))
+    return "\x1c" + "\x1c".join(out)
+
+
 def _text(content: object, budget: int) -> str:
     """Text of a message's content (a string or a list of typed parts), up to ``budget`` chars."""
     if budget <= 0:
@@ -100,8 +140,7 @@ def _text(content: object, budget: int) -> str:
                 piece = part
             elif isinstance(part, Mapping):
                 text = part.get("text")
-                if isinstance(text, str):
-                    piece = text
+                piece = text if isinstance(text, str) else _fingerprint(part)
             if piece:
                 piece = piece[:left]
                 out.append(piece)
