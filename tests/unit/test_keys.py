@@ -402,3 +402,103 @@ def test_bad_shape_is_reported_not_raised() -> None:
     result = derive_session_key(Api.OPENAI_CHAT, {}, {"messages": "hi"}, RULES)
     assert isinstance(result, BadRequest)
     assert result.param == "messages"
+
+
+# --- non-text parts -------------------------------------------------------------------------
+
+
+def _image_b64(rng: random.Random, size: int = 30_000) -> str:
+    # Real images share long identical headers (PNG signature, IHDR, colour profile): model that
+    # with a 4 KiB common head so the test fails for a key that reads only the start.
+    head = "iVBORw0KGgoAAAANSUhEUgAA" + "A" * 4096
+    body = "".join(
+        rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz+/") for _ in range(size)
+    )
+    return head + body
+
+
+IMAGE_SHAPES: list[tuple[Api, Callable[[str], dict[str, Any]]]] = [
+    (
+        Api.OPENAI_CHAT,
+        lambda img: {
+            "messages": [
+                {"role": "system", "content": "You describe images."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + img}},
+                        {"type": "text", "text": "Describe this image."},
+                    ],
+                },
+            ]
+        },
+    ),
+    (
+        Api.ANTHROPIC_MESSAGES,
+        lambda img: {
+            "system": "You describe images.",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": img},
+                        },
+                        {"type": "text", "text": "Describe this image."},
+                    ],
+                }
+            ],
+        },
+    ),
+    (
+        Api.OPENAI_RESPONSES,
+        lambda img: {
+            "instructions": "You describe images.",
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": "data:image/png;base64," + img},
+                        {"type": "input_text", "text": "Describe this image."},
+                    ],
+                }
+            ],
+        },
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("api", "wrap"),
+    IMAGE_SHAPES,
+    ids=["chat-image-url", "anthropic-image-block", "responses-input-image"],
+)
+def test_same_question_about_different_images_gets_different_keys(
+    api: Api, wrap: Callable[[str], dict[str, Any]]
+) -> None:
+    rng = random.Random(5)
+    images = [_image_b64(rng) for _ in range(20)]
+    keys = [key(wrap(img), api=api).digest for img in images]
+    assert len(set(keys)) == len(images)
+    # The same image asked again (the next turn, a retry) keeps its key.
+    assert key(wrap(images[0]), api=api).digest == keys[0]
+
+
+@pytest.mark.parametrize(("api", "wrap"), IMAGE_SHAPES, ids=["chat", "anthropic", "responses"])
+def test_an_8_mib_image_is_fingerprinted_in_bounded_space(
+    api: Api, wrap: Callable[[str], dict[str, Any]]
+) -> None:
+    huge = _image_b64(random.Random(9), 1000) * (EIGHT_MIB // 5096)
+    assert len(huge) > 8_000_000
+    cap_chars = RULES.system_chars + RULES.first_message_chars
+    assert len(material(wrap(huge), api)) <= 2 * 4 * cap_chars + 64
+
+
+def test_part_key_order_does_not_change_the_key() -> None:
+    img = _image_b64(random.Random(1))
+    a = {"type": "image_url", "image_url": {"url": img, "detail": "high"}}
+    b = {"image_url": {"detail": "high", "url": img}, "type": "image_url"}
+    assert key({"messages": [{"role": "user", "content": [a]}]}) == key(
+        {"messages": [{"role": "user", "content": [b]}]}
+    )
