@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import defaultdict
 
@@ -50,12 +51,8 @@ def requests() -> list[ReplayRequest]:
 def test_same_config_same_requests(requests: list[ReplayRequest]) -> None:
     again = generate_workload(SMALL)
     assert again == requests
-    other = generate_workload(WorkloadConfig(**{**_fields(SMALL), "seed": 8}))
+    other = generate_workload(dataclasses.replace(SMALL, seed=8))
     assert [r.arrival_s for r in other] != [r.arrival_s for r in requests]
-
-
-def _fields(config: WorkloadConfig) -> dict[str, object]:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
 
 
 def test_requests_are_sorted_within_the_duration_and_all_kinds_appear(
