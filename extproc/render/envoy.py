@@ -33,7 +33,7 @@ BUFFER_HEADROOM = 1 << 20
 Json = dict[str, Any]
 
 
-def _ext(name: str) -> str:
+def ext_type(name: str) -> str:
     """The @type URL of an Envoy extension config message."""
     return "type.googleapis.com/envoy.extensions." + name
 
@@ -109,7 +109,7 @@ def _aggregate(primary: str, secondary: str) -> Json:
         "cluster_type": {
             "name": "envoy.clusters.aggregate",
             "typed_config": {
-                "@type": _ext("clusters.aggregate.v3.ClusterConfig"),
+                "@type": ext_type("clusters.aggregate.v3.ClusterConfig"),
                 "clusters": [primary, secondary],
             },
         },
@@ -126,7 +126,7 @@ def _retry_policy() -> Json:
         "retry_priority": {
             "name": "envoy.retry_priorities.previous_priorities",
             "typed_config": {
-                "@type": _ext("retry.priority.previous_priorities.v3.PreviousPrioritiesConfig"),
+                "@type": ext_type("retry.priority.previous_priorities.v3.PreviousPrioritiesConfig"),
                 "update_frequency": 1,
             },
         },
@@ -134,7 +134,7 @@ def _retry_policy() -> Json:
             {
                 "name": "envoy.retry_host_predicates.previous_hosts",
                 "typed_config": {
-                    "@type": _ext("retry.host.previous_hosts.v3.PreviousHostsPredicate")
+                    "@type": ext_type("retry.host.previous_hosts.v3.PreviousHostsPredicate")
                 },
             }
         ],
@@ -150,7 +150,7 @@ def _fallback_retry_policy() -> Json:
             {
                 "name": "envoy.retry_host_predicates.previous_hosts",
                 "typed_config": {
-                    "@type": _ext("retry.host.previous_hosts.v3.PreviousHostsPredicate")
+                    "@type": ext_type("retry.host.previous_hosts.v3.PreviousHostsPredicate")
                 },
             }
         ],
@@ -189,7 +189,7 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
-            "@type": _ext("filters.http.ext_proc.v3.ExternalProcessor"),
+            "@type": ext_type("filters.http.ext_proc.v3.ExternalProcessor"),
             "grpc_service": {"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}, "timeout": "5s"},
             # open: with the processor down the request continues without our headers and takes
             # the fallback route; closed: Envoy answers status_on_error.
@@ -233,7 +233,7 @@ def _access_log(path: str) -> list[Json]:
         {
             "name": "envoy.access_loggers.file",
             "typed_config": {
-                "@type": _ext("access_loggers.file.v3.FileAccessLog"),
+                "@type": ext_type("access_loggers.file.v3.FileAccessLog"),
                 "path": path,
                 "log_format": {"json_format": fmt},
             },
@@ -248,11 +248,11 @@ def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
     filters.append(
         {
             "name": "envoy.filters.http.router",
-            "typed_config": {"@type": _ext("filters.http.router.v3.Router")},
+            "typed_config": {"@type": ext_type("filters.http.router.v3.Router")},
         }
     )
     hcm: Json = {
-        "@type": _ext("filters.network.http_connection_manager.v3.HttpConnectionManager"),
+        "@type": ext_type("filters.network.http_connection_manager.v3.HttpConnectionManager"),
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
         # LLM requests are slow: the whole-request timeout is the route's; streams only idle out.
@@ -312,7 +312,7 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
                 # ext_proc is gRPC: the cluster must speak HTTP/2.
                 "typed_extension_protocol_options": {
                     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                        "@type": _ext("upstreams.http.v3.HttpProtocolOptions"),
+                        "@type": ext_type("upstreams.http.v3.HttpProtocolOptions"),
                         "explicit_http_config": {"http2_protocol_options": {}},
                     }
                 },

@@ -1,0 +1,66 @@
+"""A bare ext_proc server on the same gRPC stack as the real one, answering constants.
+
+It is the floor the stack allows: what any Python processor on grpc.aio (+ uvloop, EventEngine
+off) costs before doing any work. `bench overhead` compares the real processor against it.
+Run: ``python -m extproc.bench.bare --port N --route c1__c2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from extproc.protocol.serve_cmd import GRPC_EXPERIMENTS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--route", required=True, help="value of x-fleet-route to answer")
+    parser.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
+
+    import grpc
+    import uvloop
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+    from extproc.protocol.service import grpc_options
+
+    headers_answer = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+    common = ep.CommonResponse(clear_route_cache=True)
+    common.header_mutation.set_headers.append(
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key="x-fleet-route", raw_value=args.route.encode()),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+    )
+    body_answer = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+
+    class Bare(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+        async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+            async for request in requests:
+                if request.HasField("request_headers"):
+                    yield headers_answer
+                else:
+                    yield body_answer
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=grpc_options(args.max_body_bytes))
+        ep_grpc.add_ExternalProcessorServicer_to_server(Bare(), server)
+        port = server.add_insecure_port(f"127.0.0.1:{args.port}")
+        await server.start()
+        print(f"READY grpc={port} metrics=0", flush=True)
+        await server.wait_for_termination()
+
+    uvloop.run(serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""`extproc bench <name>`: one table of benchmarks, each a module with add_arguments/run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "overhead": ("extproc.bench.overhead", "Envoy alone vs + bare processor vs + extproc"),
+    "routing": ("extproc.bench.routing", "round robin vs ring hash vs extproc on one workload"),
+    "admission": ("extproc.bench.admission", "admission decision cost, memory vs Redis ledger"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, (module_name, help_text) in BENCHES.items():
+        bench_parser = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # not built yet in this tree; `run` reports it
+        module.add_arguments(bench_parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    module_name, _ = BENCHES[args.bench]
+    module = importlib.import_module(module_name)
+    result: int = module.run(args)
+    return result

@@ -1,0 +1,421 @@
+"""`extproc bench overhead`: what the processor adds to Envoy, measured side by side in one run.
+
+Three set-ups on the same machine, the same upstream and the same load generator (wrk):
+
+- ``envoy``: Envoy alone (no ext_proc filter), routing to the upstream directly;
+- ``bare``: Envoy + a bare processor on the same gRPC stack answering constants — the floor;
+- ``extproc``: Envoy + the real processor (parse, session key, classify, place).
+
+The upstream is a second Envoy answering every request with a fixed JSON body
+(``direct_response``), so the upstream costs almost nothing and the same in every set-up.
+For each body size and connection count it records p50/p99 latency, requests/s, and the
+processor's CPU time per request (utime + stime from /proc/<pid>/stat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+from extproc.config import load_runtime
+from extproc.harness.launch import LOOPBACK, Proc, envoy_binary, free_port, http_get, wait_until
+from extproc.render.envoy import EnvoyOptions, Mode, ext_type, render_bootstrap
+
+SETUPS = ("envoy", "bare", "extproc")
+SIZES = {"1KB": 1024, "64KB": 64 * 1024, "4MiB": 4 * 1024 * 1024}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+WRK_SCRIPT = """
+local f = io.open("{body}", "rb")
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = f:read("*all")
+f:close()
+"""
+
+
+def chat_body(size: int) -> bytes:
+    system = "You are a helpful assistant. " * 8
+    shell = orjson.dumps(
+        {
+            "model": "m",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": ""}],
+            "max_tokens": 16,
+        }
+    )
+    filler = "lorem ipsum dolor sit amet " * (max(0, size - len(shell)) // 27 + 1)
+    doc = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": filler[: max(0, size - len(shell))]},
+        ],
+        "max_tokens": 16,
+    }
+    return orjson.dumps(doc)
+
+
+UPSTREAM_BODY = '{"id":"bench","object":"chat.completion","choices":[]}'
+
+
+def upstream_bootstrap(ports: list[int], admin_port: int) -> dict[str, Any]:
+    listeners = []
+    for port in ports:
+        hcm = {
+            "@type": ext_type("filters.network.http_connection_manager.v3.HttpConnectionManager"),
+            "stat_prefix": f"up{port}",
+            "route_config": {
+                "virtual_hosts": [
+                    {
+                        "name": "up",
+                        "domains": ["*"],
+                        "routes": [
+                            {
+                                "match": {"prefix": "/"},
+                                "direct_response": {
+                                    "status": 200,
+                                    "body": {"inline_string": UPSTREAM_BODY},
+                                },
+                            }
+                        ],
+                    }
+                ]
+            },
+            "http_filters": [
+                {
+                    "name": "envoy.filters.http.router",
+                    "typed_config": {"@type": ext_type("filters.http.router.v3.Router")},
+                }
+            ],
+        }
+        listeners.append(
+            {
+                "name": f"up{port}",
+                "address": {"socket_address": {"address": LOOPBACK, "port_value": port}},
+                "per_connection_buffer_limit_bytes": 64 << 20,
+                "filter_chains": [
+                    {
+                        "filters": [
+                            {
+                                "name": "envoy.filters.network.http_connection_manager",
+                                "typed_config": hcm,
+                            }
+                        ]
+                    }
+                ],
+            }
+        )
+    return {
+        "admin": {"address": {"socket_address": {"address": LOOPBACK, "port_value": admin_port}}},
+        "static_resources": {"listeners": listeners},
+    }
+
+
+@dataclass
+class WrkResult:
+    setup: str
+    size: str
+    connections: int
+    requests: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+    proc_cpu_us_per_req: float | None
+
+
+_UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
+
+
+def _ms(text: str) -> float:
+    m = re.fullmatch(r"([0-9.]+)(us|ms|s)", text.strip())
+    if not m:
+        raise ValueError(f"unparsed wrk latency {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_wrk(out: str) -> tuple[int, float, float, float, int]:
+    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    rps = float(re.search(r"Requests/sec:\s+([0-9.]+)", out).group(1))  # type: ignore[union-attr]
+    p50 = _ms(re.search(r"\n\s+50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"\n\s+99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    errors = (int(non2xx.group(1)) if non2xx else 0) + (
+        sum(int(g) for g in sock.groups()) if sock else 0
+    )
+    return requests, rps, p50, p99, errors
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # utime and stime are fields 14 and 15 of stat; after the ")" split they are 11 and 12.
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+class Bench:
+    def __init__(self, workdir: Path, duration: float, wrk: str) -> None:
+        self.workdir = workdir
+        self.duration = duration
+        self.wrk = wrk
+        self.up_ports = [free_port(), free_port()]
+        self.front_port, self.front_admin, self.grpc_port, self.up_admin = (
+            free_port() for _ in range(4)
+        )
+        fleet = {
+            "version": 1,
+            "listener": {
+                "address": LOOPBACK,
+                "port": self.front_port,
+                "admin_port": self.front_admin,
+            },
+            "processor": {
+                "address": LOOPBACK,
+                "port": self.grpc_port,
+                "metrics_port": 0,
+                "message_timeout_ms": 5000,
+            },
+            "clusters": [
+                {"name": f"c{i + 1}", "endpoints": [f"{LOOPBACK}:{p}"]}
+                for i, p in enumerate(self.up_ports)
+            ],
+        }
+        self.fleet_path = workdir / "fleet.yaml"
+        self.fleet_path.write_text(yaml.safe_dump(fleet))
+        self.runtime = load_runtime(self.fleet_path)
+        self.procs: list[Proc] = []
+
+    def _envoy(self, name: str, config: dict[str, Any], admin: int) -> Proc:
+        path = self.workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        proc = Proc(
+            name,
+            [envoy_binary(), "-c", str(path), "--disable-hot-restart", "--log-level", "error"],
+            self.workdir / f"{name}.log",
+        )
+        proc.start()
+        self.procs.append(proc)
+        wait_until(lambda: _ok(admin, "/ready"), 30, f"{name} ready")
+        return proc
+
+    def start_upstream(self) -> None:
+        # One worker thread: the upstream must not take a core from the set-up being measured.
+        cfg = upstream_bootstrap(self.up_ports, self.up_admin)
+        path = self.workdir / "upstream.yaml"
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        proc = Proc(
+            "upstream",
+            [
+                envoy_binary(),
+                "-c",
+                str(path),
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "--log-level",
+                "error",
+            ],
+            self.workdir / "upstream.log",
+        )
+        proc.start()
+        self.procs.append(proc)
+        wait_until(lambda: _ok(self.up_admin, "/ready"), 30, "upstream ready")
+
+    def start_setup(self, setup: str) -> tuple[Proc, Proc | None]:
+        processor: Proc | None = None
+        if setup == "bare":
+            argv = [
+                sys.executable,
+                "-m",
+                "extproc.bench.bare",
+                "--port",
+                str(self.grpc_port),
+                "--route",
+                "c1__c2",
+            ]
+            processor = Proc("bare", argv, self.workdir / "bare.log")
+        elif setup == "extproc":
+            argv = [
+                sys.executable,
+                "-m",
+                "extproc",
+                "serve",
+                "--config",
+                str(self.fleet_path),
+                "--log-level",
+                "warning",
+            ]
+            processor = Proc("extproc", argv, self.workdir / "extproc.log")
+        if processor is not None:
+            processor.start()
+            self.procs.append(processor)
+            wait_until(lambda: "READY" in processor.log_text(), 30, f"{setup} processor")
+        mode: Mode = "round_robin" if setup == "envoy" else "extproc"
+        config = render_bootstrap(self.runtime, EnvoyOptions(mode=mode, access_log_path=None))
+        front = self._envoy(f"front-{setup}", config, self.front_admin)
+        wait_until(lambda: _healthy(self.front_admin), 20, "front envoy sees upstream healthy")
+        return front, processor
+
+    def run_wrk(self, setup: str, size: str, connections: int, processor: Proc | None) -> WrkResult:
+        body_path = self.workdir / f"body-{size}.json"
+        if not body_path.exists():
+            body_path.write_bytes(chat_body(SIZES[size]))
+        script = self.workdir / f"post-{size}.lua"
+        script.write_text(WRK_SCRIPT.format(body=body_path))
+        threads = 1 if connections == 1 else 2
+        url = f"http://{LOOPBACK}:{self.front_port}/v1/chat/completions"
+        argv = [
+            self.wrk,
+            f"-t{threads}",
+            f"-c{connections}",
+            f"-d{self.duration:g}s",
+            "--latency",
+            "-s",
+            str(script),
+            url,
+        ]
+        pid = processor.popen.pid if processor and processor.popen else None
+        cpu0 = cpu_seconds(pid) if pid else 0.0
+        out = subprocess.run(
+            argv, capture_output=True, text=True, check=True, timeout=self.duration + 60
+        ).stdout
+        cpu1 = cpu_seconds(pid) if pid else 0.0
+        requests, rps, p50, p99, errors = parse_wrk(out)
+        cpu = (cpu1 - cpu0) / requests * 1e6 if pid and requests else None
+        return WrkResult(setup, size, connections, requests, rps, p50, p99, errors, cpu)
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+
+
+def _ok(port: int, path: str) -> bool:
+    try:
+        return http_get(port, path)[0] == 200
+    except OSError:
+        return False
+
+
+def _healthy(admin: int) -> bool:
+    try:
+        _s, body = http_get(admin, "/clusters")
+    except OSError:
+        return False
+    flags = [
+        line.rsplit("::", 1)[1] for line in body.decode().splitlines() if "::health_flags::" in line
+    ]
+    return bool(flags) and all(f == "healthy" for f in flags)
+
+
+def run_bench(
+    duration: float, sizes: list[str], connections: list[int], warmup: float
+) -> list[WrkResult]:
+    wrk = shutil.which("wrk")
+    if not wrk:
+        raise FileNotFoundError("wrk not found: apt-get install wrk")
+    results: list[WrkResult] = []
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        bench = Bench(Path(tmp), duration, wrk)
+        try:
+            bench.start_upstream()
+            for setup in SETUPS:
+                front, processor = bench.start_setup(setup)
+                for size in sizes:
+                    # Warm-up: connection pools, the processor's first streams, page cache.
+                    warm = Bench.run_wrk.__get__(bench)
+                    saved = bench.duration
+                    bench.duration = warmup
+                    warm(setup, size, 4, processor)
+                    bench.duration = saved
+                    for conns in connections:
+                        result = bench.run_wrk(setup, size, conns, processor)
+                        results.append(result)
+                        print(_row(result), file=sys.stderr, flush=True)
+                front.stop()
+                if processor:
+                    processor.stop()
+                bench.procs = [p for p in bench.procs if p not in (front, processor)]
+                time.sleep(0.5)
+        finally:
+            bench.stop_all()
+    return results
+
+
+def _row(r: WrkResult) -> str:
+    cpu = f"{r.proc_cpu_us_per_req:7.0f}" if r.proc_cpu_us_per_req is not None else "      -"
+    return (
+        f"{r.setup:8s} {r.size:>5s} c={r.connections:<3d} rps={r.rps:9.1f} p50={r.p50_ms:7.3f}ms "
+        f"p99={r.p99_ms:7.3f}ms cpu/req={cpu}us errors={r.errors}"
+    )
+
+
+def summarize(results: list[WrkResult]) -> list[str]:
+    by = {(r.setup, r.size, r.connections): r for r in results}
+    lines = [
+        "| body | conns | p50 / p99 ms: Envoy alone | + bare | + extproc "
+        "| added p50 ms (extproc - Envoy) | rps: Envoy / bare / extproc | extproc / Envoy rps "
+        "| processor CPU us/req: bare / extproc | extproc / bare CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (setup, size, conns), r in by.items():
+        if setup != "envoy":
+            continue
+        bare, real = by.get(("bare", size, conns)), by.get(("extproc", size, conns))
+        if bare is None or real is None:
+            continue
+        bare_cpu, real_cpu = bare.proc_cpu_us_per_req or 0.0, real.proc_cpu_us_per_req or 0.0
+        cpu_ratio = f"{real_cpu / bare_cpu:.2f}" if bare_cpu and real_cpu else "-"
+        cells = [
+            size,
+            str(conns),
+            f"{r.p50_ms:.3f} / {r.p99_ms:.3f}",
+            f"{bare.p50_ms:.3f} / {bare.p99_ms:.3f}",
+            f"{real.p50_ms:.3f} / {real.p99_ms:.3f}",
+            f"{real.p50_ms - r.p50_ms:.3f}",
+            f"{r.rps:.0f} / {bare.rps:.0f} / {real.rps:.0f}",
+            f"{real.rps / r.rps:.2f}",
+            f"{bare_cpu:.0f} / {real_cpu:.0f}",
+            cpu_ratio,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--sizes", default="1KB,64KB,4MiB")
+    parser.add_argument("--connections", default="1,16")
+    parser.add_argument("--json-out", default="out/bench/overhead.json")
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        print(f"unknown sizes {unknown}; choose from {list(SIZES)}", file=sys.stderr)
+        return 2
+    conns = [int(c) for c in args.connections.split(",")]
+    results = run_bench(args.duration, sizes, conns, args.warmup)
+    print("\n".join(summarize(results)))
+    out = Path(args.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps([asdict(r) for r in results], option=orjson.OPT_INDENT_2))
+    print(f"\nraw results: {out}")
+    bad = [r for r in results if r.errors]
+    if bad:
+        print(f"{len(bad)} runs had errors", file=sys.stderr)
+    return 0
