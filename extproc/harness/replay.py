@@ -18,6 +18,7 @@ then ``format_table(result)``, ``result.summary()``, ``plot_report(result, path)
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import math
 import time
@@ -320,7 +321,11 @@ class _Runner:
     ) -> _Attempt:
         url = self.target + request.path
         try:
-            async with session.post(url, data=payload, headers=self.headers_for(request)) as resp:
+            # A fresh BytesIO per attempt: aiohttp streams it (raw bytes over 1 MiB, common
+            # for long-context prompts, trigger a ResourceWarning) and still sends a
+            # Content-Length, and a retry must not find it already consumed.
+            stream = io.BytesIO(payload)
+            async with session.post(url, data=stream, headers=self.headers_for(request)) as resp:
                 result = _Attempt(
                     outcome=_status_outcome(resp.status),
                     status=resp.status,

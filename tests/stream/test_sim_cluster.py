@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -42,7 +44,8 @@ def chat(content: str, **extra: Any) -> dict[str, Any]:
 async def post(
     http: aiohttp.ClientSession, url: str, body: dict[str, Any], **kwargs: Any
 ) -> tuple[int, dict[str, str], bytes]:
-    async with http.post(url, data=orjson.dumps(body), **kwargs) as resp:
+    # BytesIO: aiohttp warns about raw bytes bodies over 1 MiB.
+    async with http.post(url, data=io.BytesIO(orjson.dumps(body)), **kwargs) as resp:
         return resp.status, dict(resp.headers), await resp.read()
 
 
@@ -336,9 +339,13 @@ async def test_concurrent_requests_queue_behind_each_other(http: aiohttp.ClientS
     running = await start_sim_cluster(SimClusterConfig(name="q", params=params, max_output=1))
     try:
         url = running.url + "/v1/chat/completions"
-        long_body = chat("L" * 400_000)  # 100k tokens: 5 simulated s, 50 ms real
+        long_body = chat("L" * 1_600_000)  # 400k tokens: 20 simulated s, 200 ms real
         long_task = asyncio.create_task(post(http, url, long_body))
-        await asyncio.sleep(0.01)
+        # Send the short one only once the long one is admitted (its upload takes a moment).
+        model = running.cluster.model
+        while model.load(time.monotonic()).inflight == 0:
+            assert not long_task.done()
+            await asyncio.sleep(0.001)
         _, headers, _ = await post(http, url, chat("short"))
         await long_task
     finally:

@@ -275,3 +275,23 @@ def test_class_bounds() -> None:
         ClassBounds.parse("5")
     with pytest.raises(ValueError):
         ClassBounds(10, 5)
+
+
+async def test_bodies_over_a_mebibyte_are_sent_whole(sim: RunningSimCluster) -> None:
+    content = "y" * 1_500_000  # ~375k tokens: a long-context request, 1.5 MB of JSON
+    big = ReplayRequest(
+        arrival_s=0.0,
+        api="openai-chat",
+        path="/v1/chat/completions",
+        body={"messages": [{"role": "user", "content": content}], "max_tokens": 2},
+        session_id=None,
+        send_session_header=False,
+        kind="burst",
+        input_tokens=375_000,
+        stream=False,
+        max_tokens=2,
+    )
+    result = await run_replay([big], sim.url, ReplayOptions())
+    assert result.outcomes[0].outcome == "2xx"
+    assert result.outcomes[0].klass == "long"
+    assert result.outcomes[0].prompt_tokens == 375_003  # + "<|user|>" and "\n" framing
