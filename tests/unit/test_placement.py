@@ -1,0 +1,226 @@
+"""Rendezvous top-2 placement: balance, minimal movement, planned failover, weights, determinism.
+
+Keys are random 64-bit points from a seeded Random: the session-key digest is a uniform hash,
+so uniform points are exactly what placement sees in production.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+
+from extproc.core.placement import Placement, Rendezvous
+
+KEYS = 100_000
+
+
+@functools.cache
+def points(n: int, seed: int = 1) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.getrandbits(64) for _ in range(n))
+
+
+def names(n: int) -> tuple[str, ...]:
+    return tuple(f"c{i}" for i in range(n))
+
+
+def equal(n: int) -> Rendezvous:
+    return Rendezvous.of([(name, 1.0) for name in names(n)])
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Placements of many keys as two columns of names (far fewer objects for the GC to scan
+    than one Placement per key)."""
+
+    primary: tuple[str, ...]
+    secondary: tuple[str | None, ...]
+
+    def pairs(self) -> zip[tuple[str, str | None]]:
+        return zip(self.primary, self.secondary, strict=True)
+
+
+# Shared between the balance, add and remove tests; bounded so memory stays modest.
+@functools.lru_cache(maxsize=12)
+def place(placer: Rendezvous, n_keys: int = KEYS) -> Placed:
+    done = [placer.top2(p) for p in points(n_keys)]
+    return Placed(tuple(p.primary for p in done), tuple(p.secondary for p in done))
+
+
+def max_over_mean(counts: Counter[str], n_clusters: int) -> float:
+    assert len(counts) == n_clusters, "every cluster must get some keys"
+    return max(counts.values()) / (sum(counts.values()) / n_clusters)
+
+
+@pytest.mark.parametrize(
+    ("n", "n_keys"),
+    [(4, KEYS), (8, KEYS), (16, KEYS), (32, KEYS), (64, 4 * KEYS)],
+    ids=["4-clusters", "8-clusters", "16-clusters", "32-clusters", "64-clusters-400k-keys"],
+)
+def test_primaries_and_secondaries_are_balanced(n: int, n_keys: int) -> None:
+    """max/mean ≤ 1.05 for primaries and for secondaries.
+
+    At 64 clusters 100k keys give ~1,560 keys per cluster, so multinomial noise alone is
+    ≈ ±2.5 % per cluster and the expected maximum over 64 clusters is ≈ 1.06: no hash meets
+    1.05 there. 400k keys halve the noise (expected max ≈ 1.03), so the bound tests the hash.
+    """
+    placed = place(equal(n), n_keys)
+    assert max_over_mean(Counter(placed.primary), n) <= 1.05
+    assert max_over_mean(Counter(s or "" for s in placed.secondary), n) <= 1.05
+
+
+def test_a_failed_clusters_sessions_fail_over_to_every_other_cluster_evenly() -> None:
+    """The re-prefill work of a failed primary is spread over the fleet, not dumped on one."""
+    n = 8
+    backups = Counter(s or "" for p, s in place(equal(n)).pairs() if p == "c0")
+    assert "c0" not in backups
+    assert max_over_mean(backups, n - 1) <= 1.1
+
+
+@pytest.mark.parametrize("n", [4, 8, 16, 32], ids=lambda n: f"{n}-clusters")
+def test_removing_a_cluster_moves_only_its_sessions_to_their_secondary(n: int) -> None:
+    before = place(equal(n))
+    gone = f"c{n // 2}"
+    after = place(Rendezvous.of([(name, 1.0) for name in names(n) if name != gone]))
+    moved = [
+        (old, old_secondary, new)
+        for (old, old_secondary), new in zip(before.pairs(), after.primary, strict=True)
+        if old != new
+    ]
+    fraction = len(moved) / KEYS
+    assert abs(fraction - 1 / n) <= 0.1 / n
+    # Only the removed cluster's sessions move...
+    assert all(old == gone for old, _, _ in moved)
+    assert before.primary.count(gone) == len(moved)
+    # ...and each lands exactly on the secondary it was assigned in advance: 100 % of them.
+    assert all(new == old_secondary for _, old_secondary, new in moved)
+
+
+@pytest.mark.parametrize("n", [4, 8, 16, 32], ids=lambda n: f"{n}-to-{n + 1}-clusters")
+def test_adding_a_cluster_moves_about_one_nth_all_to_the_new_cluster(n: int) -> None:
+    before = place(equal(n))
+    after = place(equal(n + 1))  # adds c{n}
+    moved = [new for old, new in zip(before.primary, after.primary, strict=True) if old != new]
+    fraction = len(moved) / KEYS
+    # The new cluster's fair share is 1/(n+1) of the sessions, and that is all that moves.
+    assert abs(fraction - 1 / (n + 1)) <= 0.1 / (n + 1)
+    assert all(new == f"c{n}" for new in moved)
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [(1.0, 2.0, 3.0, 4.0), (1.0, 1.0, 1.0, 5.0), (0.5, 1.5, 1.0, 1.0, 2.0, 4.0, 0.25, 0.75)],
+    ids=["weights-1-2-3-4", "one-heavy-cluster", "eight-mixed-weights"],
+)
+def test_primary_shares_follow_weights(weights: tuple[float, ...]) -> None:
+    placer = Rendezvous.of(list(zip(names(len(weights)), weights, strict=True)))
+    counts = Counter(place(placer).primary)
+    total = sum(weights)
+    for name, weight in zip(names(len(weights)), weights, strict=True):
+        expected = weight / total
+        assert abs(counts[name] / KEYS - expected) <= 0.05 * expected, name
+
+
+def test_weighted_removal_still_fails_over_to_the_secondary() -> None:
+    weights = (1.0, 2.0, 3.0, 4.0)
+    before = place(Rendezvous.of(list(zip(names(4), weights, strict=True))))
+    after = place(Rendezvous.of(list(zip(names(4)[1:], weights[1:], strict=True))))
+    for (old, old_secondary), new in zip(before.pairs(), after.primary, strict=True):
+        assert new == (old_secondary if old == "c0" else old)
+
+
+def test_raising_one_weight_only_pulls_sessions_to_that_cluster() -> None:
+    """Start on the equal-weights fast path; one weight change switches to the log formula.
+
+    If the two paths ordered clusters differently, sessions would also move between untouched
+    clusters: the fast path must be the weighted formula with equal weights.
+    """
+    base = equal(8)
+    assert base.equal
+    heavier = Rendezvous.of([(name, 2.0 if name == "c3" else 1.0) for name in names(8)])
+    assert not heavier.equal
+    before, after = place(base), place(heavier)
+    moved = [new for old, new in zip(before.primary, after.primary, strict=True) if old != new]
+    assert moved
+    assert all(new == "c3" for new in moved)
+    # c3's share goes from 1/8 to 2/9.
+    share = after.primary.count("c3") / KEYS
+    assert abs(share - 2 / 9) <= 0.05 * 2 / 9
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [None, (1.0, 2.0, 3.0, 4.0, 1.0, 2.0)],
+    ids=["equal-weights", "mixed-weights"],
+)
+def test_placement_does_not_depend_on_config_order(weights: tuple[float, ...] | None) -> None:
+    pairs = list(zip(names(6), weights or (1.0,) * 6, strict=True))
+    shuffled = pairs[:]
+    random.Random(4).shuffle(shuffled)
+    assert shuffled != pairs
+    a, b = Rendezvous.of(pairs), Rendezvous.of(list(reversed(shuffled)))
+    for p in points(20_000):
+        assert a.top2(p) == b.top2(p)
+
+
+def test_a_fresh_placer_gives_the_same_answers() -> None:
+    """No hidden state: two instances built from the same config agree on every key."""
+    fresh = equal(8)
+    placed = place(equal(8), 20_000)
+    assert list(placed.pairs()) == [
+        (t.primary, t.secondary) for t in (fresh.top2(p) for p in points(20_000))
+    ]
+
+
+def test_a_single_cluster_has_no_secondary() -> None:
+    only = Rendezvous.of([("solo", 3.0)])
+    for p in points(1000):
+        placement = only.top2(p)
+        assert placement == Placement("solo", None)
+        assert placement.route == "solo"
+
+
+@pytest.mark.parametrize(
+    "placer",
+    [
+        equal(2),
+        equal(8),
+        Rendezvous.of([("a", 1.0), ("b", 9.0)]),
+        Rendezvous.of([("a", 0.01), ("b", 1.0), ("c", 50.0)]),
+    ],
+    ids=["2-equal", "8-equal", "2-skewed", "3-very-skewed"],
+)
+def test_every_secondary_differs_from_its_primary(placer: Rendezvous) -> None:
+    for primary, secondary in place(placer).pairs():
+        assert secondary is not None
+        assert secondary != primary
+    placement = placer.top2(points(1)[0])
+    assert placement.route == f"{placement.primary}__{placement.secondary}"
+
+
+def test_ranked_starts_with_primary_then_secondary() -> None:
+    placer = Rendezvous.of(list(zip(names(5), (1.0, 2.0, 1.0, 3.0, 0.5), strict=True)))
+    for p in points(2000):
+        ranked = placer.ranked(p)
+        assert sorted(ranked) == sorted(names(5))
+        top = placer.top2(p)
+        assert ranked[:2] == [top.primary, top.secondary]
+
+
+@pytest.mark.parametrize(
+    ("clusters", "why"),
+    [
+        ([], "at least one"),
+        ([("a", 1.0), ("a", 1.0)], "duplicate"),
+        ([("a", 1.0), ("b", 0.0)], "> 0"),
+        ([("a", 1.0), ("b", -2.0)], "> 0"),
+    ],
+    ids=["empty", "duplicate-name", "zero-weight", "negative-weight"],
+)
+def test_invalid_fleets_are_refused(clusters: list[tuple[str, float]], why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        Rendezvous.of(clusters)
