@@ -42,13 +42,20 @@ _PYDANTIC_WORDING = {
 }
 
 
+def _bound(value: object) -> object:
+    # A float field's bound arrives as 0.0; the documented message is "must be > 0".
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
 def _describe(err: dict[str, object]) -> str:
     kind = str(err.get("type", ""))
     ctx = err.get("ctx")
     template = _PYDANTIC_WORDING.get(kind)
     if template and isinstance(ctx, dict):
         try:
-            return template.format(**ctx)
+            return template.format(**{k: _bound(v) for k, v in ctx.items()})
         except KeyError:
             pass  # fall through to pydantic's own message when ctx lacks the field
     elif template and "{" not in template:
