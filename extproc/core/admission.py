@@ -1,0 +1,476 @@
+"""Admission control: per-class, per-cluster budgets (bulkheads) and the retry hints of a 429.
+
+The split, so that check-and-reserve is one atomic step and every decision stays pure:
+
+1. :func:`plan` turns (facts, route) into a :class:`Demand`: the cluster charged (the primary),
+   the cost in tokens and the limits to enforce. A request larger than its class's whole budget
+   is answered here with a 413 — no ledger state could ever admit it. A class with no enforced
+   budget yields ``None``: the shell skips the ledger entirely.
+2. A ledger (``extproc.ledger``) checks and reserves atomically and reports a
+   :class:`LedgerAnswer`: granted or not, the usage it saw, its release statistics, its clock.
+3. :func:`verdict` turns that answer into :class:`Admitted` or a 429 :class:`Reject` whose
+   ``retry-after`` is computed from the answer (token-bucket refill time, or the observed
+   completion rate of the class on that cluster) plus seeded jitter.
+4. :func:`rate_limit_headers` renders a reject as response headers: ``retry-after``, OpenAI's
+   ``x-ratelimit-*-tokens`` and the IETF draft's ``RateLimit-Policy`` / ``RateLimit`` fields.
+
+Budget semantics, per (cluster, class), 0 meaning "no cap" throughout:
+
+- ``max_inflight_tokens``: the tokens of all admitted, unfinished requests — a proxy for KV-cache
+  occupancy, which is why a request costs its input plus its requested output cap;
+- ``max_concurrent``: admitted, unfinished requests;
+- ``tokens_per_second`` with ``burst_tokens``: a token bucket of capacity ``burst_tokens``
+  refilled at ``tokens_per_second`` (``burst_tokens`` 0 means one second's worth).
+
+No clock reads here: time comes from the ledger's answer (for Redis, the Redis server's own
+clock, so the refill math of many replicas never mixes skewed local clocks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from random import Random
+
+from extproc.core.decide import Route
+from extproc.core.facts import RequestFacts
+from extproc.core.fleet import Budget
+
+# Time constant of the exponentially weighted release-rate estimate: long enough to smooth
+# bursts of completions, short enough to follow a class whose request lengths change.
+RELEASE_RATE_TAU_S = 10.0
+# With no completion observed yet the wait is unknowable; a short first retry is the cheapest
+# probe (jitter spreads the herd, the next 429 carries a measured hint).
+NO_SIGNAL_WAIT_S = 1.0
+# Hints beyond a few minutes are noise (the fleet changes faster than that) and some clients
+# treat a huge Retry-After as "give up".
+MAX_RETRY_AFTER_S = 300
+# Jitter adds up to this fraction of the wait (at least one second), so the clients rejected
+# together do not all come back in the same second.
+RETRY_JITTER = 0.5
+# The rate estimate divides by the time observed so far; below one second that is noise.
+_MIN_OBSERVATION_S = 1.0
+
+
+class Reason(StrEnum):
+    INFLIGHT_TOKENS = "inflight_tokens"
+    CONCURRENCY = "concurrency"
+    TOKEN_RATE = "token_rate"
+    EXCEEDS_BUDGET = "exceeds_budget"
+    # Fits the fleet-wide budget but not this replica's share while the shared ledger is down.
+    LOCAL_SHARE = "local_share"
+    LEDGER_UNAVAILABLE = "ledger_unavailable"
+
+
+def effective_burst(budget: Budget) -> int:
+    """Token-bucket capacity: the configured burst, or one second of refill when it is 0."""
+    if not budget.tokens_per_second:
+        return 0
+    return budget.burst_tokens or max(1, math.ceil(budget.tokens_per_second))
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a ledger enforces for one (cluster, class); 0 = no cap (burst 0 = no bucket)."""
+
+    max_inflight_tokens: int = 0
+    max_concurrent: int = 0
+    tokens_per_second: float = 0.0
+    burst_tokens: int = 0
+
+    @classmethod
+    def of(cls, budget: Budget) -> Limits:
+        return cls(
+            budget.max_inflight_tokens,
+            budget.max_concurrent,
+            budget.tokens_per_second,
+            effective_burst(budget),
+        )
+
+    def share(self, replicas: int) -> Limits:
+        """One replica's part of a budget when each replica enforces it alone.
+
+        Rounded down so the replicas together never exceed the whole, but never below 1: a
+        capped dimension must stay capped (0 would mean "no cap").
+        """
+        if replicas <= 1:
+            return self
+
+        def part(value: int) -> int:
+            return max(1, value // replicas) if value else 0
+
+        return Limits(
+            part(self.max_inflight_tokens),
+            part(self.max_concurrent),
+            self.tokens_per_second / replicas,
+            part(self.burst_tokens),
+        )
+
+    @property
+    def largest_admissible(self) -> int | None:
+        """The largest single demand these limits can ever admit (None = unbounded)."""
+        caps = [c for c in (self.max_inflight_tokens, self.burst_tokens) if c]
+        return min(caps) if caps else None
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """One request's claim on its class's budget on its primary cluster."""
+
+    cluster: str
+    class_name: str
+    tokens: int
+    budget: Budget
+    limits: Limits
+
+    def shared(self, replicas: int) -> Demand:
+        return replace(self, limits=self.limits.share(replicas))
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """A held reservation. ``store`` names the ledger that holds it ("redis", "memory")."""
+
+    cluster: str
+    class_name: str
+    tokens: int
+    lease: str
+    store: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """One (cluster, class) compartment as a ledger saw it."""
+
+    inflight_tokens: int = 0
+    concurrent: int = 0
+    # Tokens available in the bucket after refill (0 when the class has no rate limit).
+    bucket_tokens: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseStats:
+    """Exponentially decayed completion counters, as of ``at`` (ledger clock).
+
+    On each release at time t: ``count = count * exp(-(t - at) / tau) + 1`` (tokens likewise)
+    and ``at = t``; ``since`` is when counting started, for the start-up bias correction.
+    """
+
+    count: float = 0.0
+    tokens: float = 0.0
+    at: float = 0.0
+    since: float = 0.0
+
+    def rates(self, now: float, tau: float = RELEASE_RATE_TAU_S) -> tuple[float, float]:
+        """(requests/s, tokens/s) completing on this compartment, estimated at ``now``.
+
+        For a steady rate r the decayed count converges to r·tau·(1 - exp(-elapsed/tau));
+        dividing by that factor removes the under-estimate of a freshly started counter.
+        """
+        if self.count <= 0:
+            return 0.0, 0.0
+        decay = math.exp(-max(0.0, now - self.at) / tau)
+        elapsed = max(_MIN_OBSERVATION_S, now - self.since)
+        horizon = tau * -math.expm1(-elapsed / tau)
+        return self.count * decay / horizon, self.tokens * decay / horizon
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerAnswer:
+    """A ledger's reply to one atomic check-and-reserve.
+
+    ``usage`` is the state after the call: including this demand when granted, unchanged when
+    refused. ``now`` is the ledger's clock, the time base of ``released``.
+    """
+
+    granted: bool
+    ticket: Ticket | None
+    usage: Usage
+    released: ReleaseStats
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """One quota policy and its current service limit (IETF RateLimit-Policy / RateLimit)."""
+
+    name: str
+    quota: int
+    unit: str  # "tokens" (not in the draft's registry: sent as a vendor parameter) or a qu value
+    remaining: int
+    window_s: int | None = None
+    reset_s: int | None = None  # set on the policies that refused this request
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    demand: Demand
+    ticket: Ticket
+    usage: Usage
+
+
+@dataclass(frozen=True, slots=True)
+class Reject:
+    status: int  # 429 over budget, 413 never admissible, 503 ledger unavailable (closed policy)
+    class_name: str
+    cluster: str
+    message: str
+    reason: Reason
+    retry_after_s: int | None = None
+    limit_tokens: int | None = None
+    remaining_tokens: int | None = None
+    reset_s: float | None = None  # until enough tokens free up for this request (unjittered)
+    quotas: tuple[Quota, ...] = ()
+
+    @property
+    def code(self) -> str:
+        """The ``code`` of the JSON error body (extproc.protocol.errors)."""
+        if self.status == 429:
+            return "rate_limit_exceeded"
+        if self.status == 413:
+            return "request_too_large"
+        return "service_unavailable"
+
+
+def request_tokens(facts: RequestFacts) -> int:
+    """Cost of a request: its input plus the output it asked for room to generate."""
+    return facts.input_tokens + (facts.max_output_tokens or 0)
+
+
+def _describe_cost(facts: RequestFacts) -> str:
+    if facts.max_output_tokens:
+        return (
+            f"{request_tokens(facts)} tokens ({facts.input_tokens} estimated input + "
+            f"{facts.max_output_tokens} requested output)"
+        )
+    return f"{facts.input_tokens} estimated input tokens"
+
+
+def plan(facts: RequestFacts, route: Route) -> Demand | Reject | None:
+    """The demand to reserve, a 413 when no budget state could admit it, or None (unbudgeted)."""
+    cls = route.request_class
+    budget = cls.budget
+    if not budget.enforced:
+        return None
+    limits = Limits.of(budget)
+    demand = Demand(route.placement.primary, cls.name, request_tokens(facts), budget, limits)
+    cap = limits.largest_admissible
+    if cap is not None and demand.tokens > cap:
+        what = (
+            "in flight per cluster"
+            if cap == limits.max_inflight_tokens
+            else "per burst (its token-rate limit)"
+        )
+        message = (
+            f"this request needs {_describe_cost(facts)}, but request class '{cls.name}' "
+            f"allows at most {cap} tokens {what}, so it can never be admitted; shorten the "
+            "input or lower the maximum output tokens"
+        )
+        return Reject(
+            413,
+            cls.name,
+            demand.cluster,
+            message,
+            Reason.EXCEEDS_BUDGET,
+            limit_tokens=cap,
+            quotas=_quotas(demand, None, {}),
+        )
+    return demand
+
+
+def _token_limit(limits: Limits) -> int | None:
+    return limits.max_inflight_tokens or limits.burst_tokens or None
+
+
+def _token_remaining(limits: Limits, usage: Usage) -> int | None:
+    left: list[int] = []
+    if limits.max_inflight_tokens:
+        left.append(max(0, limits.max_inflight_tokens - usage.inflight_tokens))
+    if limits.burst_tokens:
+        left.append(max(0, math.floor(usage.bucket_tokens)))
+    return min(left) if left else None
+
+
+def _quotas(demand: Demand, usage: Usage | None, waits: dict[Reason, float]) -> tuple[Quota, ...]:
+    lim = demand.limits
+    name = demand.class_name
+    out: list[Quota] = []
+
+    def reset(reason: Reason) -> int | None:
+        if reason not in waits:
+            return None
+        return min(MAX_RETRY_AFTER_S, max(1, math.ceil(waits[reason])))
+
+    if lim.max_inflight_tokens:
+        remaining = lim.max_inflight_tokens - (usage.inflight_tokens if usage else 0)
+        out.append(
+            Quota(
+                f"{name}-inflight",
+                lim.max_inflight_tokens,
+                "tokens",
+                max(0, remaining),
+                reset_s=reset(Reason.INFLIGHT_TOKENS),
+            )
+        )
+    if lim.max_concurrent:
+        remaining = lim.max_concurrent - (usage.concurrent if usage else 0)
+        out.append(
+            Quota(
+                f"{name}-concurrency",
+                lim.max_concurrent,
+                "concurrent-requests",
+                max(0, remaining),
+                reset_s=reset(Reason.CONCURRENCY),
+            )
+        )
+    if lim.burst_tokens:
+        level = usage.bucket_tokens if usage else float(lim.burst_tokens)
+        out.append(
+            Quota(
+                f"{name}-rate",
+                lim.burst_tokens,
+                "tokens",
+                max(0, math.floor(level)),
+                window_s=max(1, math.ceil(lim.burst_tokens / lim.tokens_per_second)),
+                reset_s=reset(Reason.TOKEN_RATE),
+            )
+        )
+    return tuple(out)
+
+
+def _waits(demand: Demand, answer: LedgerAnswer) -> dict[Reason, float]:
+    """Seconds until each violated dimension could admit this demand."""
+    lim, usage, need = demand.limits, answer.usage, demand.tokens
+    req_rate, tok_rate = answer.released.rates(answer.now)
+    waits: dict[Reason, float] = {}
+    if lim.max_inflight_tokens and usage.inflight_tokens + need > lim.max_inflight_tokens:
+        deficit = usage.inflight_tokens + need - lim.max_inflight_tokens
+        waits[Reason.INFLIGHT_TOKENS] = deficit / tok_rate if tok_rate > 0 else NO_SIGNAL_WAIT_S
+    if lim.max_concurrent and usage.concurrent + 1 > lim.max_concurrent:
+        missing = usage.concurrent + 1 - lim.max_concurrent
+        waits[Reason.CONCURRENCY] = missing / req_rate if req_rate > 0 else NO_SIGNAL_WAIT_S
+    if lim.burst_tokens and usage.bucket_tokens < need:
+        waits[Reason.TOKEN_RATE] = (need - usage.bucket_tokens) / lim.tokens_per_second
+    return waits
+
+
+def jittered_seconds(wait: float, rng: Random) -> int:
+    """Whole seconds for Retry-After: the wait plus seeded jitter, in [1, MAX_RETRY_AFTER_S]."""
+    # Whole seconds of jitter, at least one: Retry-After has one-second granularity, so a
+    # fractional spread would round every client of a short wait to the same value.
+    spread = math.ceil(max(1.0, wait * RETRY_JITTER))
+    return min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait) + rng.randint(0, spread)))
+
+
+_WHY = {
+    Reason.INFLIGHT_TOKENS: "too many tokens in flight",
+    Reason.CONCURRENCY: "too many concurrent requests",
+    Reason.TOKEN_RATE: "token rate limit reached",
+    Reason.LOCAL_SHARE: (
+        "the shared budget ledger is unreachable and this request is larger than the share "
+        "of the budget one gateway replica may admit alone"
+    ),
+}
+
+
+def verdict(demand: Demand, answer: LedgerAnswer, rng: Random) -> Admitted | Reject:
+    """The ledger's answer as an admission or a 429 with retry hints."""
+    if answer.granted and answer.ticket is not None:
+        return Admitted(demand, answer.ticket, answer.usage)
+    waits = _waits(demand, answer)
+    cap = demand.limits.largest_admissible
+    if cap is not None and demand.tokens > cap:
+        # Only a replica's share can be this small (plan() 413s against the whole budget):
+        # the request has to wait for the shared ledger, whose outage length is unknown.
+        reason, wait = Reason.LOCAL_SHARE, NO_SIGNAL_WAIT_S
+    elif waits:
+        reason, wait = max(waits.items(), key=lambda kv: kv[1])
+    else:
+        # Refused although the snapshot shows room: another holder won the same instant.
+        reason, wait = Reason.CONCURRENCY, NO_SIGNAL_WAIT_S
+    retry_after = jittered_seconds(wait, rng)
+    token_waits = [waits[r] for r in (Reason.INFLIGHT_TOKENS, Reason.TOKEN_RATE) if r in waits]
+    message = (
+        f"request class '{demand.class_name}' is over its budget ({_WHY[reason]}); "
+        f"retry after {retry_after}s"
+    )
+    return Reject(
+        429,
+        demand.class_name,
+        demand.cluster,
+        message,
+        reason,
+        retry_after_s=retry_after,
+        limit_tokens=_token_limit(demand.limits),
+        remaining_tokens=_token_remaining(demand.limits, answer.usage),
+        reset_s=min(float(MAX_RETRY_AFTER_S), max(token_waits)) if token_waits else None,
+        quotas=_quotas(demand, answer.usage, waits),
+    )
+
+
+def unavailable(demand: Demand, probe_s: float, rng: Random) -> Reject:
+    """503 under the "closed" policy: the shared ledger is down and nothing is admitted."""
+    retry_after = jittered_seconds(probe_s, rng)
+    return Reject(
+        503,
+        demand.class_name,
+        demand.cluster,
+        "admission control is temporarily unavailable (budget ledger unreachable); "
+        f"retry after {retry_after}s",
+        Reason.LEDGER_UNAVAILABLE,
+        retry_after_s=retry_after,
+        limit_tokens=_token_limit(demand.limits),
+    )
+
+
+def format_duration(seconds: float) -> str:
+    """OpenAI's x-ratelimit-reset-* style (Go durations): "20ms", "1s", "1m30s", "6m0s"."""
+    if seconds < 1:
+        return f"{max(1, math.ceil(seconds * 1000))}ms"
+    total = math.ceil(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+def _policy_item(q: Quota) -> str:
+    # draft-ietf-httpapi-ratelimit-headers-11 §3: a List of sf-string Items with q (Integer),
+    # optional qu (a String from its quota-unit registry: requests, content-bytes,
+    # concurrent-requests) and w (Integer seconds). Tokens are not a registered unit, so they
+    # travel in a vendor-prefixed parameter, which §3.1 allows.
+    item = f'"{q.name}";q={q.quota}'
+    item += ';fleet-unit="tokens"' if q.unit == "tokens" else f';qu="{q.unit}"'
+    if q.window_s is not None:
+        item += f";w={q.window_s}"
+    return item
+
+
+def _limit_item(q: Quota) -> str:
+    # §4: r = available quota (Integer ≥ 0), t = effective window in seconds (Integer ≥ 0).
+    item = f'"{q.name}";r={q.remaining}'
+    if q.reset_s is not None:
+        item += f";t={q.reset_s}"
+    return item
+
+
+def rate_limit_headers(reject: Reject) -> list[tuple[str, str]]:
+    """Response headers for a reject, lower-case names (HTTP/2 and Envoy want them so)."""
+    headers: list[tuple[str, str]] = [("x-fleet-class", reject.class_name)]
+    if reject.retry_after_s is not None:
+        headers.append(("retry-after", str(reject.retry_after_s)))
+    if reject.limit_tokens is not None:
+        headers.append(("x-ratelimit-limit-tokens", str(reject.limit_tokens)))
+    if reject.remaining_tokens is not None:
+        headers.append(("x-ratelimit-remaining-tokens", str(reject.remaining_tokens)))
+    if reject.reset_s is not None:
+        headers.append(("x-ratelimit-reset-tokens", format_duration(reject.reset_s)))
+    if reject.quotas:
+        headers.append(("ratelimit-policy", ", ".join(_policy_item(q) for q in reject.quotas)))
+        if reject.status == 429:
+            headers.append(("ratelimit", ", ".join(_limit_item(q) for q in reject.quotas)))
+    return headers

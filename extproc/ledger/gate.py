@@ -1,0 +1,363 @@
+"""AdmissionGate: the async facade the ext_proc servicer calls.
+
+    gate = build_gate(runtime, registry, clock=time.monotonic, rng=random.Random(seed))
+    await gate.start()                      # loads scripts, starts lease renewal
+    outcome = await gate.admit(facts, route)
+    #   None      -> the class has no budget: route it, hold nothing
+    #   Reject    -> answer with reject.status, rate_limit_headers(reject), reject.message
+    #   Admitted  -> route it; keep outcome.ticket until the HTTP exchange ends, then:
+    await gate.release(ticket)              # in `finally:`; idempotent, never raises
+    await gate.close()
+
+The gate owns the policy for an unreachable Redis: ``local`` admits against this replica's
+share of each budget (budget / replicas) in memory, ``closed`` rejects with 503. Every Redis
+call is bounded by ``redis.timeout_ms``; after a failure the gate stays local for
+``probe_interval_s`` and then tries Redis again (admissions or the renewal tick), so it goes
+back to the shared budget as soon as Redis answers. Reservations taken locally are released
+locally. While both kinds are held (just after Redis comes back) a compartment can briefly
+exceed its budget by what the local shares admitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from random import Random
+from typing import Literal
+
+from prometheus_client import CollectorRegistry
+
+from extproc.config.runtime import Runtime
+from extproc.core.admission import (
+    Admitted,
+    Demand,
+    LedgerAnswer,
+    Limits,
+    Reject,
+    Ticket,
+    plan,
+    unavailable,
+    verdict,
+)
+from extproc.core.decide import Route
+from extproc.core.facts import RequestFacts
+from extproc.ledger.base import LedgerUnavailable
+from extproc.ledger.memory import MemoryLedger
+from extproc.ledger.metrics import LedgerMetrics
+from extproc.ledger.redis import RedisLedger, lease_ttl_tick
+
+log = logging.getLogger("extproc.ledger")
+
+OnUnavailable = Literal["local", "closed"]
+
+# Rejections by reason are counted, not logged; what is logged (Redis trouble) is throttled
+# so an outage under load writes a few lines, not one per request.
+LOG_INTERVAL_S = 10.0
+
+
+class _LogThrottle:
+    def __init__(self, clock: Callable[[], float], interval_s: float) -> None:
+        self._clock = clock
+        self._interval = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def allow(self, key: str) -> int | None:
+        """None while throttled; otherwise how many lines were suppressed since the last one."""
+        now = self._clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self._interval:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return None
+        self._last[key] = now
+        return self._suppressed.pop(key, 0)
+
+
+class AdmissionGate:
+    def __init__(
+        self,
+        *,
+        local: MemoryLedger,
+        shared: RedisLedger | None,
+        metrics: LedgerMetrics,
+        clock: Callable[[], float],
+        rng: Random,
+        on_unavailable: OnUnavailable = "local",
+        replicas: int = 1,
+        probe_interval_s: float = 1.0,
+        renew_interval_s: float | None = None,
+    ) -> None:
+        self._local = local
+        self._shared = shared
+        self._m = metrics
+        self._clock = clock
+        self._rng = rng
+        self._on_unavailable = on_unavailable
+        self._replicas = max(1, replicas)
+        self._probe_interval_s = probe_interval_s
+        self._renew_interval_s = renew_interval_s or (
+            lease_ttl_tick(shared.lease_ttl_s) if shared is not None else 1.0
+        )
+        self._down_until: float | None = None
+        self._held: dict[str, Ticket] = {}
+        self._limits_seen: dict[tuple[str, str], Limits] = {}
+        self._renewer: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._throttle = _LogThrottle(clock, LOG_INTERVAL_S)
+        self._m.set_mode(self.mode)
+
+    # -- state ------------------------------------------------------------------------------
+
+    @property
+    def mode(self) -> Literal["redis", "local"]:
+        """Where new reservations go right now."""
+        return "redis" if self._shared is not None and self._down_until is None else "local"
+
+    @property
+    def held(self) -> int:
+        """Reservations this gate holds (both ledgers)."""
+        return len(self._held)
+
+    def publish_limits(self, runtime: Runtime) -> None:
+        """Export every (cluster, class) budget as gauges; call again after a reload."""
+        for cls in runtime.policy.classes:
+            for cluster in cls.eligible or runtime.cluster_names:
+                self._publish(cluster, cls.name, Limits.of(cls.budget))
+
+    def _publish(self, cluster: str, class_name: str, limits: Limits) -> None:
+        key = (cluster, class_name)
+        if self._limits_seen.get(key) == limits:
+            return
+        self._limits_seen[key] = limits
+        self._m.limit_tokens.labels(cluster, class_name).set(limits.max_inflight_tokens)
+        self._m.limit_requests.labels(cluster, class_name).set(limits.max_concurrent)
+
+    # -- admission --------------------------------------------------------------------------
+
+    async def admit(self, facts: RequestFacts, route: Route) -> Admitted | Reject | None:
+        """Reserve budget for one request on its primary cluster. Never raises for Redis."""
+        planned = plan(facts, route)
+        if planned is None:
+            self._m.admissions.labels(route.request_class.name, "unbudgeted").inc()
+            return None
+        if isinstance(planned, Reject):
+            self._count_reject(planned)
+            return planned
+        demand = planned
+        self._publish(demand.cluster, demand.class_name, demand.limits)
+        answer: LedgerAnswer | None = None
+        if self._shared is not None and self._redis_due():
+            answer = await self._reserve_shared(self._shared, demand)
+        if answer is None:
+            if self._shared is not None and self._on_unavailable == "closed":
+                reject = unavailable(demand, self._probe_interval_s, self._rng)
+                self._count_reject(reject)
+                return reject
+            demand = demand.shared(self._replicas)
+            answer = self._local.reserve_now(demand)
+        outcome = verdict(demand, answer, self._rng)
+        if isinstance(outcome, Reject):
+            self._count_reject(outcome)
+            return outcome
+        self._track(outcome.ticket)
+        self._m.admissions.labels(demand.class_name, "admitted").inc()
+        return outcome
+
+    async def _reserve_shared(self, shared: RedisLedger, demand: Demand) -> LedgerAnswer | None:
+        started = self._clock()
+        try:
+            answer = await shared.reserve(demand)
+        except LedgerUnavailable as exc:
+            self._redis_failed("reserve", exc)
+            return None
+        finally:
+            self._m.redis_seconds.labels("reserve").observe(self._clock() - started)
+        self._redis_ok()
+        return answer
+
+    def _count_reject(self, reject: Reject) -> None:
+        result = {413: "too_large", 503: "unavailable"}.get(reject.status, "rejected")
+        self._m.admissions.labels(reject.class_name, result).inc()
+        self._m.rejections.labels(reject.class_name, str(reject.status), reject.reason).inc()
+
+    def _track(self, ticket: Ticket) -> None:
+        self._held[ticket.lease] = ticket
+        self._m.inflight_tokens.labels(ticket.cluster, ticket.class_name).inc(ticket.tokens)
+        self._m.inflight_requests.labels(ticket.cluster, ticket.class_name).inc()
+        self._m.leases_held.labels(ticket.store).inc()
+
+    def _untrack(self, ticket: Ticket) -> None:
+        self._m.inflight_tokens.labels(ticket.cluster, ticket.class_name).dec(ticket.tokens)
+        self._m.inflight_requests.labels(ticket.cluster, ticket.class_name).dec()
+        self._m.leases_held.labels(ticket.store).dec()
+
+    # -- release ----------------------------------------------------------------------------
+
+    async def release(self, ticket: Ticket) -> None:
+        """Give a reservation back. Idempotent; logs and counts failures instead of raising.
+
+        The Redis call is shielded: if the caller is cancelled meanwhile (its stream is torn
+        down twice) the release still completes, and only the caller sees CancelledError.
+        """
+        try:
+            held = self._held.pop(ticket.lease, None)
+            if held is None:
+                return
+            self._untrack(held)
+            if held.store == self._local.store:
+                self._local.release_now(held)
+                return
+            if self._shared is None:
+                raise RuntimeError(f"ticket from ledger {held.store!r}, which this gate lacks")
+            task = asyncio.ensure_future(self._release_shared(self._shared, held))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._m.release_errors.inc()
+            log.exception("budget release failed", extra={"request_class": ticket.class_name})
+
+    async def _release_shared(self, shared: RedisLedger, ticket: Ticket) -> None:
+        started = self._clock()
+        try:
+            await shared.release(ticket)
+        except LedgerUnavailable as exc:
+            # The lease is no longer renewed, so Redis frees it within the lease TTL.
+            self._m.release_errors.inc()
+            self._redis_failed("release", exc)
+            return
+        finally:
+            self._m.redis_seconds.labels("release").observe(self._clock() - started)
+        self._redis_ok()
+
+    # -- Redis health -----------------------------------------------------------------------
+
+    def _redis_due(self) -> bool:
+        return self._down_until is None or self._clock() >= self._down_until
+
+    def _redis_failed(self, op: str, exc: Exception) -> None:
+        self._m.redis_errors.labels(op).inc()
+        was_up = self._down_until is None
+        self._down_until = self._clock() + self._probe_interval_s
+        if was_up:
+            self._m.set_mode("local")
+        suppressed = self._throttle.allow("redis_down")
+        if suppressed is not None:
+            log.warning(
+                "redis ledger unavailable; %s",
+                "admitting against local budget shares"
+                if self._on_unavailable == "local"
+                else "rejecting budgeted requests with 503",
+                extra={"op": op, "error": str(exc), "suppressed": suppressed},
+            )
+
+    def _redis_ok(self) -> None:
+        if self._down_until is None:
+            return
+        self._down_until = None
+        self._m.set_mode("redis")
+        suppressed = self._throttle.allow("redis_up")
+        if suppressed is not None:
+            log.info("redis ledger reachable again; shared budgets in force")
+
+    # -- lease renewal ----------------------------------------------------------------------
+
+    async def renew_once(self) -> None:
+        """One renewal tick: extend every Redis lease this replica holds, in one round trip.
+
+        With nothing to renew while Redis is marked down, it pings instead, so the gate
+        returns to Redis even without traffic.
+        """
+        shared = self._shared
+        if shared is None:
+            return
+        tickets = [t for t in self._held.values() if t.store == shared.store]
+        started = self._clock()
+        try:
+            if tickets:
+                lost = await shared.renew(tickets)
+                self._m.redis_seconds.labels("renew").observe(self._clock() - started)
+                if lost:
+                    self._m.leases_lost.inc(len(lost))
+                    if self._throttle.allow("leases_lost") is not None:
+                        log.warning("redis no longer had %d of our leases", len(lost))
+            elif self._down_until is not None and self._redis_due():
+                await shared.ping()
+            else:
+                return
+        except LedgerUnavailable as exc:
+            self._redis_failed("renew", exc)
+            return
+        self._redis_ok()
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._renew_interval_s)
+            try:
+                await self.renew_once()
+            except Exception:
+                # A bug here must not stop renewal for good: leases would lapse under
+                # long requests. Log it and try again next tick.
+                log.exception("lease renewal tick failed")
+
+    async def start(self) -> None:
+        if self._shared is not None:
+            try:
+                await self._shared.load()
+            except LedgerUnavailable as exc:
+                self._redis_failed("load", exc)
+            self._renewer = asyncio.create_task(self._renew_loop(), name="ledger-renew")
+
+    async def close(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            await asyncio.gather(self._renewer, return_exceptions=True)
+            self._renewer = None
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self._local.close()
+        if self._shared is not None:
+            await self._shared.close()
+
+
+def build_gate(
+    runtime: Runtime,
+    registry: CollectorRegistry,
+    clock: Callable[[], float],
+    rng: Random,
+    redis_url_override: str | None = None,
+    *,
+    probe_interval_s: float = 1.0,
+) -> AdmissionGate:
+    """The gate for a runtime's ``redis`` section; in-memory only when no URL is configured.
+
+    The Redis settings are read once here; budgets come from each request's route, so a
+    reloaded runtime's budgets apply to the next admission without rebuilding the gate.
+    """
+    cfg = runtime.config.redis
+    url = redis_url_override or cfg.url
+    shared = (
+        RedisLedger.from_url(
+            url,
+            prefix=cfg.key_prefix,
+            lease_ttl_s=cfg.lease_ttl_s,
+            timeout_s=cfg.timeout_ms / 1000,
+        )
+        if url
+        else None
+    )
+    gate = AdmissionGate(
+        local=MemoryLedger(clock),
+        shared=shared,
+        metrics=LedgerMetrics(registry),
+        clock=clock,
+        rng=rng,
+        on_unavailable=cfg.on_unavailable,
+        replicas=cfg.replicas,
+        probe_interval_s=probe_interval_s,
+    )
+    gate.publish_limits(runtime)
+    return gate

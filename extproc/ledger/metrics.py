@@ -1,0 +1,106 @@
+"""Budget and ledger metrics over an injected registry (no process globals).
+
+The in-flight gauges count what *this replica* holds, so they return to zero when its traffic
+ends and sum correctly over replicas (``sum by (cluster, request_class)``); the Redis ledger
+holds the fleet-wide figure.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_REDIS_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
+
+
+class LedgerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        compartment = ["cluster", "request_class"]
+        self.inflight_tokens = Gauge(
+            "fleet_budget_inflight_tokens",
+            "Tokens of admitted, unfinished requests held by this replica.",
+            compartment,
+            registry=registry,
+        )
+        self.inflight_requests = Gauge(
+            "fleet_budget_inflight_requests",
+            "Admitted, unfinished requests held by this replica.",
+            compartment,
+            registry=registry,
+        )
+        self.limit_tokens = Gauge(
+            "fleet_budget_limit_tokens",
+            "Configured in-flight token cap per cluster and class (0 = no cap).",
+            compartment,
+            registry=registry,
+        )
+        self.limit_requests = Gauge(
+            "fleet_budget_limit_requests",
+            "Configured concurrent-request cap per cluster and class (0 = no cap).",
+            compartment,
+            registry=registry,
+        )
+        self.admissions = Counter(
+            "fleet_admissions",
+            "Admission decisions by class and result "
+            "(admitted, rejected, too_large, unavailable, unbudgeted).",
+            ["request_class", "result"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "fleet_admission_rejections",
+            "Requests refused by admission control, by class, HTTP status and reason.",
+            ["request_class", "status", "reason"],
+            registry=registry,
+        )
+        self.redis_seconds = Histogram(
+            "fleet_ledger_redis_seconds",
+            "Latency of Redis ledger calls (one round trip each), by operation.",
+            ["op"],
+            buckets=_REDIS_BUCKETS,
+            registry=registry,
+        )
+        self.redis_errors = Counter(
+            "fleet_ledger_redis_errors",
+            "Redis ledger calls that failed or timed out, by operation.",
+            ["op"],
+            registry=registry,
+        )
+        self.mode = Gauge(
+            "fleet_ledger_mode",
+            "Which ledger admits new requests: 1 for the active mode (redis or local).",
+            ["mode"],
+            registry=registry,
+        )
+        self.release_errors = Counter(
+            "fleet_ledger_release_errors",
+            "Releases that could not be delivered to their ledger (the lease then expires).",
+            registry=registry,
+        )
+        self.leases_lost = Counter(
+            "fleet_ledger_leases_lost",
+            "Leases the Redis ledger no longer had at renewal (expired or lost with Redis).",
+            registry=registry,
+        )
+        self.leases_held = Gauge(
+            "fleet_ledger_leases_held",
+            "Reservations this replica holds, by ledger.",
+            ["ledger"],
+            registry=registry,
+        )
+
+    def set_mode(self, mode: str) -> None:
+        for m in ("redis", "local"):
+            self.mode.labels(m).set(1 if m == mode else 0)

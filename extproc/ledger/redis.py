@@ -1,0 +1,218 @@
+"""The Redis ledger: one budget shared by every gateway replica.
+
+One round trip per admission (``EVALSHA reserve.lua``), one per release (``EVALSHA
+release.lua``) and one per renewal tick for all the leases of a replica (``EVALSHA
+renew.lua``). Reservations are leases with a TTL that the holder renews, so a replica killed
+with SIGKILL leaks nothing for longer than the TTL: the next reservation on the same
+compartment reaps expired leases before it checks the budget.
+
+Key layout (``P`` = ``redis.key_prefix``, default ``fleet``; one compartment per cluster and
+request class, its three keys sharing one hash tag ``{cluster:class}``)::
+
+    P:{cluster:class}:state         HASH  tokens     admitted, unreleased tokens
+                                          count      admitted, unreleased requests
+                                          level      token-bucket level (tokens)   } only with a
+                                          level_at   time of ``level`` (Redis TIME) } rate limit
+                                          rel_n      decayed count of releases
+                                          rel_tokens decayed tokens released
+                                          rel_at     time of the last release
+                                          rel_since  time of the first counted release
+    P:{cluster:class}:leases        ZSET  member lease id, score = expiry (Redis TIME, s)
+    P:{cluster:class}:lease_tokens  HASH  lease id -> tokens it holds
+
+Lease ids are ``<replica id>:<sequence>``; the replica id is random per process. Times come
+from the Redis server clock (``TIME`` inside the scripts), never from a replica's. All three
+keys of a compartment expire together after an idle period longer than the lease TTL, so
+compartments of removed classes or clusters clean themselves up. The renewal script touches
+several compartments in one call, so this layout targets a single Redis (or a primary with
+replicas), not Redis Cluster.
+
+Every call is bounded by ``redis.timeout_ms`` and redis-py's own retries are disabled: a
+retried reserve could wait several timeouts, and the policy for an unreachable Redis belongs
+to the gate, not to the client. A timed-out or cancelled call makes redis-py drop that
+connection, so a failure never leaves a half-read reply on a pooled connection; the next call
+reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+from collections.abc import Sequence
+from importlib import resources
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from extproc.core.admission import (
+    RELEASE_RATE_TAU_S,
+    Demand,
+    LedgerAnswer,
+    Limits,
+    ReleaseStats,
+    Ticket,
+    Usage,
+)
+from extproc.ledger.base import LedgerUnavailable
+
+# An idle compartment is dropped after this long (and never sooner than a few lease TTLs).
+IDLE_TTL_S = 3600.0
+
+
+def _script(name: str) -> str:
+    return resources.files("extproc.ledger").joinpath(name).read_text(encoding="utf-8")
+
+
+def compartment_keys(prefix: str, cluster: str, class_name: str) -> tuple[str, str, str]:
+    base = f"{prefix}:{{{cluster}:{class_name}}}"
+    return f"{base}:state", f"{base}:leases", f"{base}:lease_tokens"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _num(value: Any) -> float:
+    return float(_text(value))
+
+
+class RedisLedger:
+    store = "redis"
+
+    def __init__(
+        self,
+        client: Redis,
+        *,
+        prefix: str = "fleet",
+        lease_ttl_s: float = 30.0,
+        timeout_s: float = 0.05,
+        replica_id: str | None = None,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.lease_ttl_s = lease_ttl_s
+        self.timeout_s = timeout_s
+        self.replica_id = replica_id or secrets.token_hex(6)
+        self._idle_ttl_ms = int(max(IDLE_TTL_S, 4 * lease_ttl_s) * 1000)
+        self._ids = itertools.count(1)
+        self._reserve = client.register_script(_script("reserve.lua"))
+        self._release = client.register_script(_script("release.lua"))
+        self._renew = client.register_script(_script("renew.lua"))
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "fleet",
+        lease_ttl_s: float = 30.0,
+        timeout_s: float = 0.05,
+        replica_id: str | None = None,
+    ) -> RedisLedger:
+        client = Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            # No CLIENT SETINFO on connect: a reconnect costs one round trip, not three.
+            lib_name=None,
+            lib_version=None,
+        )
+        return cls(
+            client,
+            prefix=prefix,
+            lease_ttl_s=lease_ttl_s,
+            timeout_s=timeout_s,
+            replica_id=replica_id,
+        )
+
+    async def _bounded(self, what: str, call: Any) -> Any:
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await call
+        except (RedisError, OSError) as exc:  # TimeoutError is an OSError
+            raise LedgerUnavailable(f"redis {what}: {type(exc).__name__}: {exc}") from exc
+
+    async def load(self) -> None:
+        """Load the scripts so the first admission is already a single EVALSHA."""
+        for script in (self._reserve, self._release, self._renew):
+            await self._bounded("script load", self.client.script_load(script.script))
+
+    async def ping(self) -> None:
+        await self._bounded("ping", self.client.ping())
+
+    def _answer(self, raw: Sequence[Any], ticket: Ticket | None) -> LedgerAnswer:
+        granted = int(raw[0]) == 1
+        return LedgerAnswer(
+            granted,
+            ticket if granted else None,
+            Usage(int(raw[1]), int(raw[2]), _num(raw[3])),
+            ReleaseStats(_num(raw[4]), _num(raw[5]), _num(raw[6]), _num(raw[7])),
+            _num(raw[8]),
+        )
+
+    def _args(self, lease: str, tokens: int, limits: Limits, peek: bool) -> list[str | int]:
+        return [
+            lease,
+            tokens,
+            limits.max_inflight_tokens,
+            limits.max_concurrent,
+            repr(float(limits.tokens_per_second)),
+            limits.burst_tokens,
+            repr(float(self.lease_ttl_s)),
+            self._idle_ttl_ms,
+            1 if peek else 0,
+        ]
+
+    async def reserve(self, demand: Demand) -> LedgerAnswer:
+        lease = f"{self.replica_id}:{next(self._ids)}"
+        keys = compartment_keys(self.prefix, demand.cluster, demand.class_name)
+        raw = await self._bounded(
+            "reserve",
+            self._reserve(keys=keys, args=self._args(lease, demand.tokens, demand.limits, False)),
+        )
+        ticket = Ticket(demand.cluster, demand.class_name, demand.tokens, lease, self.store)
+        return self._answer(raw, ticket)
+
+    async def release(self, ticket: Ticket) -> bool:
+        keys = compartment_keys(self.prefix, ticket.cluster, ticket.class_name)
+        args: list[str | int] = [ticket.lease, repr(RELEASE_RATE_TAU_S), self._idle_ttl_ms]
+        raw = await self._bounded("release", self._release(keys=keys, args=args))
+        return int(raw) == 1
+
+    async def renew(self, tickets: Sequence[Ticket]) -> list[str]:
+        if not tickets:
+            return []
+        groups: dict[tuple[str, str], list[str]] = {}
+        for t in tickets:
+            groups.setdefault((t.cluster, t.class_name), []).append(t.lease)
+        keys: list[str] = []
+        args: list[str | int] = [repr(float(self.lease_ttl_s)), self._idle_ttl_ms]
+        for (cluster, class_name), leases in groups.items():
+            keys.extend(compartment_keys(self.prefix, cluster, class_name))
+            args.append(len(leases))
+            args.extend(leases)
+        raw = await self._bounded("renew", self._renew(keys=keys, args=args))
+        return [_text(x) for x in raw]
+
+    async def usage(self, cluster: str, class_name: str, limits: Limits) -> LedgerAnswer:
+        keys = compartment_keys(self.prefix, cluster, class_name)
+        raw = await self._bounded(
+            "usage", self._reserve(keys=keys, args=self._args("-", 0, limits, True))
+        )
+        return self._answer(raw, None)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def lease_ttl_tick(lease_ttl_s: float) -> float:
+    """Renewal period: three chances to renew before a lease lapses."""
+    return max(0.05, lease_ttl_s / 3)
+
+
+__all__ = ["IDLE_TTL_S", "RedisLedger", "compartment_keys", "lease_ttl_tick"]

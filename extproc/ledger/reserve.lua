@@ -1,0 +1,83 @@
+-- Atomic check-and-reserve for one (cluster, class) compartment. See extproc/ledger/redis.py
+-- for the key layout. Time is the Redis server's clock, so every replica shares one time base.
+--
+-- KEYS[1] state hash   KEYS[2] lease expiry zset   KEYS[3] lease tokens hash
+-- ARGV: lease_id, tokens, max_inflight_tokens, max_concurrent, tokens_per_second,
+--       burst_tokens, lease_ttl_s, idle_ttl_ms, peek (1 = only report, reserve nothing)
+-- Returns {granted, inflight_tokens, concurrent, bucket_level, rel_n, rel_tokens, rel_at,
+--          rel_since, now}; floats as strings (Redis would truncate Lua numbers to integers).
+local state, leases, lease_tokens = KEYS[1], KEYS[2], KEYS[3]
+local lease_id = ARGV[1]
+local need = tonumber(ARGV[2])
+local max_tokens = tonumber(ARGV[3])
+local max_concurrent = tonumber(ARGV[4])
+local rate = tonumber(ARGV[5])
+local burst = tonumber(ARGV[6])
+local ttl = tonumber(ARGV[7])
+local idle_ttl_ms = tonumber(ARGV[8])
+local peek = ARGV[9] == '1'
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+
+local s = redis.call('HMGET', state, 'tokens', 'count', 'level', 'level_at',
+  'rel_n', 'rel_tokens', 'rel_at', 'rel_since')
+local inflight = tonumber(s[1]) or 0
+local count = tonumber(s[2]) or 0
+
+-- Leases whose holder stopped renewing (crashed, partitioned) give their budget back here,
+-- lazily, in the same atomic step that needs it. Bounded per call to bound script time.
+local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, 512)
+if #expired > 0 then
+  local held = redis.call('HMGET', lease_tokens, unpack(expired))
+  for i = 1, #expired do
+    if held[i] then
+      inflight = inflight - tonumber(held[i])
+      count = count - 1
+    end
+  end
+  redis.call('ZREM', leases, unpack(expired))
+  redis.call('HDEL', lease_tokens, unpack(expired))
+end
+if inflight < 0 then inflight = 0 end
+if count < 0 then count = 0 end
+
+local level = 0
+if burst > 0 then
+  local prev = tonumber(s[3])
+  if prev == nil then
+    level = burst
+  else
+    level = math.min(burst, prev + math.max(0, now - (tonumber(s[4]) or now)) * rate)
+  end
+end
+
+local granted = 0
+if not peek then
+  if redis.call('HEXISTS', lease_tokens, lease_id) == 1 then
+    -- A retried call whose first attempt did reserve: answer the same, charge nothing twice.
+    granted = 1
+  elseif (max_tokens == 0 or inflight + need <= max_tokens)
+      and (max_concurrent == 0 or count + 1 <= max_concurrent)
+      and (burst == 0 or level >= need) then
+    granted = 1
+    inflight = inflight + need
+    count = count + 1
+    if burst > 0 then level = level - need end
+    redis.call('ZADD', leases, now + ttl, lease_id)
+    redis.call('HSET', lease_tokens, lease_id, need)
+  end
+end
+
+redis.call('HSET', state, 'tokens', inflight, 'count', count)
+if burst > 0 then
+  redis.call('HSET', state, 'level', tostring(level), 'level_at', tostring(now))
+end
+-- Idle compartments (no reserve, release or renewal for idle_ttl) vanish whole; by then every
+-- lease in them has expired too, since idle_ttl is longer than the lease TTL.
+redis.call('PEXPIRE', state, idle_ttl_ms)
+redis.call('PEXPIRE', leases, idle_ttl_ms)
+redis.call('PEXPIRE', lease_tokens, idle_ttl_ms)
+
+return {granted, inflight, count, tostring(level), s[5] or '0', s[6] or '0', s[7] or '0',
+  s[8] or '0', tostring(now)}

@@ -1,0 +1,1 @@
+"""Test helpers shared by the test tiers: real components only (no fakes of Redis or Envoy)."""

@@ -1,0 +1,169 @@
+"""A real ``redis-server`` on a free 127.0.0.1 port, for tests.
+
+    with RedisServer() as server:          # started, PING answered
+        client = redis.Redis.from_url(server.url)
+        server.stop()                      # SIGTERM (server.kill() for SIGKILL)
+        server.start()                     # same port again
+    # stopped, temp dir removed
+
+Persistence is off (``--save "" --appendonly no``): a restart starts empty, like a crashed
+cache node replaced by a fresh one. Use it as a pytest fixture with ``yield`` inside ``with``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def ping(port: int, timeout: float = 0.5) -> bool:
+    """True when a Redis server answers PING on 127.0.0.1:port (raw RESP, no client library)."""
+    try:
+        with socket.create_connection((HOST, port), timeout=timeout) as sock:
+            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        executable: str = "redis-server",
+        startup_timeout_s: float = 10.0,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        path = shutil.which(executable)
+        if path is None:
+            raise RuntimeError(f"{executable} not found on PATH (install the redis-server package)")
+        self.executable = path
+        self.port = port or free_port()
+        self._port_chosen = port is not None
+        self.startup_timeout_s = startup_timeout_s
+        self.extra_args = extra_args
+        self._tmp = Path(tempfile.mkdtemp(prefix="redis-test-"))
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def log_path(self) -> Path:
+        return self._tmp / "redis.log"
+
+    def _command(self) -> list[str]:
+        return [
+            self.executable,
+            "--port",
+            str(self.port),
+            "--bind",
+            HOST,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self._tmp),
+            "--logfile",
+            str(self.log_path),
+            "--daemonize",
+            "no",
+            *self.extra_args,
+        ]
+
+    def start(self) -> RedisServer:
+        """Start (or restart) on ``self.port`` and wait until PING works."""
+        if self.running:
+            return self
+        for _attempt in range(3):
+            self._proc = subprocess.Popen(
+                self._command(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            deadline = time.monotonic() + self.startup_timeout_s
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    break
+                if ping(self.port):
+                    return self
+                time.sleep(0.02)
+            self._reap()
+            if self._port_chosen:
+                break
+            # Another process took the port between free_port() and bind: pick a new one.
+            self.port = free_port()
+        log = self.log_path.read_text(errors="replace")[-2000:] if self.log_path.exists() else ""
+        raise RuntimeError(f"redis-server did not start on {HOST}:{self.port}\n{log}")
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 5.0) -> None:
+        """Stop the server with ``sig`` and wait for it to exit (SIGKILL if it lingers)."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=timeout_s)
+        self._proc = None
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def restart(self, sig: signal.Signals = signal.SIGTERM) -> RedisServer:
+        self.stop(sig)
+        return self.start()
+
+    def _reap(self) -> None:
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+            self._proc.wait(timeout=5)
+            self._proc = None
+
+    def close(self) -> None:
+        """Stop the server and remove its temp dir; safe to call more than once."""
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
