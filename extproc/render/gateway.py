@@ -115,13 +115,12 @@ def _duration(ms: int) -> str:
     if ms <= 0:
         return "0s"
     hours, rest = divmod(ms, 3_600_000)
+    if hours > 99_999:
+        raise GatewayRenderError(f"duration {ms} ms does not fit a Gateway API duration")
     minutes, rest = divmod(rest, 60_000)
     seconds, millis = divmod(rest, 1000)
     parts = [(hours, "h"), (minutes, "m"), (seconds, "s"), (millis, "ms")]
-    text = "".join(f"{n}{unit}" for n, unit in parts if n)
-    if hours > 99_999:
-        raise GatewayRenderError(f"duration {ms} ms does not fit a Gateway API duration")
-    return text
+    return "".join(f"{n}{unit}" for n, unit in parts if n)
 
 
 def _quantity(n_bytes: int) -> str:

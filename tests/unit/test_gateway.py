@@ -182,7 +182,18 @@ def mixed_fleet() -> Fleet:
     return fleet_from_dict(data)
 
 
-FLEETS = {"compose": compose_fleet, "forty": forty_clusters, "mixed": mixed_fleet}
+@cache
+def single_cluster() -> Fleet:
+    """One cluster: no pairs at all, the processor routes to the bare cluster name."""
+    return fleet_from_dict(fleet_data(1))
+
+
+FLEETS = {
+    "compose": compose_fleet,
+    "forty": forty_clusters,
+    "mixed": mixed_fleet,
+    "single": single_cluster,
+}
 
 
 def render(fleet: Fleet, mode: str = "envoy-gateway", **opts: Any) -> list[Json]:
