@@ -42,6 +42,7 @@ from extproc.core.admission import (
 )
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
+from extproc.core.fleet import Budget
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.metrics import LedgerMetrics
@@ -132,6 +133,38 @@ class AdmissionGate:
         self._limits_seen[key] = limits
         self._m.limit_tokens.labels(cluster, class_name).set(limits.max_inflight_tokens)
         self._m.limit_requests.labels(cluster, class_name).set(limits.max_concurrent)
+
+    async def usage(self, cluster: str, class_name: str, budget: Budget) -> dict[str, object]:
+        """One compartment as the active ledger sees it (for ``explain`` and operators).
+
+        Reserves nothing and never raises: with Redis unreachable it reports the local ledger.
+        """
+        limits = Limits.of(budget)
+        answer: LedgerAnswer | None = None
+        ledger = "local"
+        if self._shared is not None and self._redis_due():
+            try:
+                answer = await self._shared.usage(cluster, class_name, limits)
+                ledger = "redis"
+                self._redis_ok()
+            except LedgerUnavailable as exc:
+                self._redis_failed("usage", exc)
+        if answer is None:
+            limits = limits.share(self._replicas)
+            answer = await self._local.usage(cluster, class_name, limits)
+        req_rate, tok_rate = answer.released.rates(answer.now)
+        return {
+            "ledger": ledger,
+            "inflight_tokens": answer.usage.inflight_tokens,
+            "concurrent": answer.usage.concurrent,
+            "bucket_tokens": round(answer.usage.bucket_tokens, 1) if limits.burst_tokens else None,
+            "max_inflight_tokens": limits.max_inflight_tokens,
+            "max_concurrent": limits.max_concurrent,
+            "tokens_per_second": limits.tokens_per_second,
+            "burst_tokens": limits.burst_tokens,
+            "releases_per_second": round(req_rate, 3),
+            "released_tokens_per_second": round(tok_rate, 1),
+        }
 
     # -- admission --------------------------------------------------------------------------
 

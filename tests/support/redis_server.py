@@ -4,6 +4,7 @@
         client = redis.Redis.from_url(server.url)
         server.stop()                      # SIGTERM (server.kill() for SIGKILL)
         server.start()                     # same port again
+        server.pause(); server.resume()    # SIGSTOP / SIGCONT: a hung server
     # stopped, temp dir removed
 
 Persistence is off (``--save "" --appendonly no``): a restart starts empty, like a crashed
@@ -135,6 +136,16 @@ class RedisServer:
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its socket but answers nothing (a hung or partitioned
+        Redis, where only timeouts help — unlike a stopped one, which refuses connections)."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
+
     def restart(self, sig: signal.Signals = signal.SIGTERM) -> RedisServer:
         self.stop(sig)
         return self.start()
@@ -149,6 +160,7 @@ class RedisServer:
     def close(self) -> None:
         """Stop the server and remove its temp dir; safe to call more than once."""
         try:
+            self.resume()  # a paused server would ignore SIGTERM until the SIGKILL fallback
             self.stop()
         finally:
             shutil.rmtree(self._tmp, ignore_errors=True)
