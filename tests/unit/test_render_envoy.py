@@ -69,6 +69,13 @@ def five_clusters() -> Runtime:
     )
 
 
+def one_cluster() -> Runtime:
+    """No secondary exists: the processor routes to the plain cluster, no aggregates."""
+    return compile_runtime(
+        parse_config({"version": 1, "clusters": [{"name": "solo", "endpoints": ["127.0.0.1:9"]}]})
+    )
+
+
 def validate(config: dict[str, Any], tmp_path: Path) -> None:
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -90,8 +97,14 @@ def validate(config: dict[str, Any], tmp_path: Path) -> None:
         (lambda: load_runtime(CANONICAL), ()),
         (lambda: load_runtime(CANONICAL), LOOPBACK),
         (five_clusters, ()),
+        (one_cluster, ()),
     ],
-    ids=["canonical", "canonical-mapped-to-loopback", "five-weighted-clusters-fail-closed"],
+    ids=[
+        "canonical",
+        "canonical-mapped-to-loopback",
+        "five-weighted-clusters-fail-closed",
+        "single-cluster",
+    ],
 )
 def test_envoy_accepts_the_rendered_bootstrap(
     mode: Mode, runtime_of: Any, host_map: tuple[tuple[str, str], ...], tmp_path: Path
@@ -163,7 +176,9 @@ def test_routes_by_cluster_header_then_falls_back(rendered: dict[str, Any]) -> N
 
 
 @pytest.mark.parametrize(
-    "runtime_of", [lambda: load_runtime(CANONICAL), five_clusters], ids=["3-clusters", "5-clusters"]
+    "runtime_of",
+    [lambda: load_runtime(CANONICAL), five_clusters, one_cluster],
+    ids=["3-clusters", "5-clusters", "1-cluster"],
 )
 def test_an_aggregate_cluster_for_every_ordered_pair(runtime_of: Any) -> None:
     runtime: Runtime = runtime_of()
