@@ -141,14 +141,22 @@ def parse_config(data: object, source: str = "<config>") -> FleetConfig:
     return cfg
 
 
-def load_config(path: str | Path) -> tuple[FleetConfig, bytes]:
-    p = Path(path)
-    raw = p.read_bytes()
+def parse_yaml(raw: bytes, source: str) -> FleetConfig:
     try:
         data = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
-        raise ConfigError(str(p), [f"(yaml): {exc}"]) from None
-    return parse_config(data, str(p)), raw
+        raise ConfigError(source, [f"(yaml): {exc}"]) from None
+    return parse_config(data, source)
+
+
+def load_config(path: str | Path) -> tuple[FleetConfig, bytes]:
+    p = Path(path)
+    raw = p.read_bytes()
+    return parse_yaml(raw, str(p)), raw
+
+
+def runtime_from_bytes(raw: bytes, source: str) -> Runtime:
+    return compile_runtime(parse_yaml(raw, source), raw)
 
 
 def load_runtime(path: str | Path) -> Runtime:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -71,3 +73,26 @@ def compile_runtime(cfg: FleetConfig, raw: bytes | None = None) -> Runtime:
         ),
         parse_limits=ParseLimits(cfg.processor.max_body_bytes, cfg.prefix.bytes_per_token),
     )
+
+
+def scale_budgets(runtime: Runtime, factor: float) -> Runtime:
+    """The same runtime with every budget multiplied by ``factor`` (rounded down, min 1 where
+    a cap was set): one worker's share when several workers split an in-memory budget."""
+
+    def share(value: int) -> int:
+        return max(1, math.floor(value * factor)) if value else 0
+
+    classes = tuple(
+        dataclasses.replace(
+            cls,
+            budget=Budget(
+                share(cls.budget.max_inflight_tokens),
+                share(cls.budget.max_concurrent),
+                cls.budget.tokens_per_second * factor,
+                share(cls.budget.burst_tokens),
+            ),
+        )
+        for cls in runtime.policy.classes
+    )
+    policy = Policy(classes, runtime.policy.placers)
+    return dataclasses.replace(runtime, policy=policy)

@@ -8,6 +8,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 
+from extproc.core.admission import Reject, rate_limit_headers
 from extproc.core.api import BadRequest, ErrorStyle
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
@@ -82,3 +83,9 @@ def error_response(
     style: ErrorStyle, status: int, message: str, code: str, headers: Iterable[tuple[str, str]] = ()
 ) -> ep.ProcessingResponse:
     return immediate(status, error_body(style, status, message, code), headers, f"fleet_{code}")
+
+
+def reject_response(reject: Reject, style: ErrorStyle) -> ep.ProcessingResponse:
+    """Over budget (429 with retry hints), never admissible (413) or ledger down (503)."""
+    body = error_body(style, reject.status, reject.message, reject.code)
+    return immediate(reject.status, body, rate_limit_headers(reject), f"fleet_{reject.reason}")

@@ -1,9 +1,15 @@
-"""`extproc serve`: run the ext_proc gRPC service."""
+"""`extproc serve`: run the ext_proc gRPC service (optionally as several worker processes)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from types import FrameType
 
 # grpcio's EventEngine paths cost ~70 µs per exchange more than the legacy poller on this
 # workload (DESIGN.md, measured). The switch is read when grpc initialises, so it must be set
@@ -20,14 +26,118 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=None, help="override processor.metrics_port"
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes sharing the gRPC port via SO_REUSEPORT (default processor.workers);"
+        " without Redis each enforces 1/N of every budget",
+    )
+    parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--redis-url", default=None, help="override redis.url (env FLEET_REDIS_URL)"
+    )
+    parser.add_argument(
+        "--envoy-cds", default=None, help="keep this Envoy CDS file in step with fleet.yaml"
+    )
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
+    parser.add_argument("--seed", type=int, default=None, help="seed for retry-after jitter")
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
         "--no-uvloop", action="store_true", help="use the stock asyncio loop (for comparisons)"
     )
 
 
+def _workers(args: argparse.Namespace) -> int:
+    if args.workers is not None:
+        return int(args.workers)
+    from extproc.config import ConfigError, load_config
+
+    try:
+        cfg, _raw = load_config(args.config)
+    except (ConfigError, OSError):
+        return 1  # the worker itself reports the error with its paths
+    return cfg.processor.workers
+
+
+def _supervise(args: argparse.Namespace, workers: int) -> int:
+    """Run N copies of this command as workers on one port; forward signals; exit when all do."""
+    port = args.port
+    if not port:
+        from extproc.config import ConfigError, load_config
+
+        try:
+            cfg, _raw = load_config(args.config)
+            port = cfg.processor.port
+        except (ConfigError, OSError) as exc:
+            print(str(exc), file=sys.stderr)
+            return 2
+    if not port:
+        # Every worker must bind the same port: pick it here, once.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    argv = (
+        [sys.executable, "-m", "extproc", "serve", *sys.argv[2:]]
+        if sys.argv[1:2] == ["serve"]
+        else None
+    )
+    base = argv or [sys.executable, "-m", "extproc", "serve", "--config", args.config]
+    children = [
+        subprocess.Popen(
+            [
+                *_strip(base),
+                "--port",
+                str(port),
+                "--workers",
+                str(workers),
+                "--worker-index",
+                str(i),
+            ]
+        )
+        for i in range(workers)
+    ]
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    codes = []
+    for child in children:
+        while True:
+            try:
+                codes.append(child.wait())
+                break
+            except InterruptedError:
+                time.sleep(0.01)
+    return max(codes) if codes else 0
+
+
+def _strip(argv: list[str]) -> list[str]:
+    """Drop --port/--workers/--worker-index from a copied command line (set per worker)."""
+    out: list[str] = []
+    skip = False
+    for item in argv:
+        if skip:
+            skip = False
+            continue
+        if item in ("--port", "--workers", "--worker-index"):
+            skip = True
+            continue
+        if item.startswith(("--port=", "--workers=", "--worker-index=")):
+            continue
+        out.append(item)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
+    workers = _workers(args)
+    if workers > 1 and args.worker_index == 0 and "--worker-index" not in sys.argv:
+        return _supervise(args, workers)
     from extproc.protocol.service import ServeOptions, serve_forever
 
     return serve_forever(
@@ -38,5 +148,11 @@ def run(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             log_level=args.log_level,
             uvloop=not args.no_uvloop,
+            grace_s=args.grace,
+            workers=workers,
+            worker_index=args.worker_index,
+            redis_url=args.redis_url or os.environ.get("FLEET_REDIS_URL") or None,
+            envoy_cds_path=args.envoy_cds,
+            seed=args.seed,
         )
     )

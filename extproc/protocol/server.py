@@ -17,8 +17,10 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from extproc.config.runtime import Runtime
+from extproc.core.admission import Admitted, Reject
 from extproc.core.api import BadRequest, api_for_path
 from extproc.core.facts import parse_request
+from extproc.ledger.gate import AdmissionGate
 from extproc.metrics import Metrics
 from extproc.protocol import responses
 from extproc.protocol.state import StreamState
@@ -48,10 +50,13 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self,
         runtime: RuntimeHolder,
         metrics: Metrics,
+        gate: AdmissionGate | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._runtime = runtime
         self._metrics = metrics
+        self._gate = gate
+        self._active = 0
         self._clock = clock
         # The whole phase contract, in one table. Phases we never ask Envoy for (see the
         # processing_mode we render) still get a pass-through answer so a mis-configured
@@ -69,6 +74,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
     ) -> AsyncIterator[ep.ProcessingResponse]:
         state = StreamState()
+        self._active += 1
         self._metrics.streams_active.inc()
         try:
             async for request in request_iterator:
@@ -86,11 +92,21 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             log.exception("ext_proc stream failed", extra={"request_id": state.request_id})
             raise
         finally:
+            self._active -= 1
             self._metrics.streams_active.dec()
             await self._release(state)
 
+    @property
+    def active(self) -> int:
+        """ext_proc streams open right now."""
+        return self._active
+
     async def _release(self, state: StreamState) -> None:
-        state.ticket = None
+        ticket, state.ticket = state.ticket, None
+        if ticket is not None and self._gate is not None:
+            # Shielded: the stream may be ending by cancellation (client or upstream abort), and
+            # a second cancel must not abandon the release half-way (a Redis round trip).
+            await asyncio.shield(self._gate.release(ticket))
 
     @staticmethod
     def _pass(answer: ep.ProcessingResponse) -> Handler:
@@ -148,6 +164,16 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if isinstance(facts, BadRequest):
             return self._answer_bad(facts, api.value)
         route = runtime.policy.route(facts)
+        if self._gate is not None:
+            outcome = await self._gate.admit(facts, route)
+            if isinstance(outcome, Reject):
+                self._metrics.requests.labels(
+                    facts.api.value, outcome.class_name, outcome.reason
+                ).inc()
+                self._metrics.decision_seconds.observe(self._clock() - started)
+                return responses.reject_response(outcome, api.error_style)
+            if isinstance(outcome, Admitted):
+                state.ticket = outcome.ticket
         self._metrics.requests.labels(facts.api.value, route.request_class.name, "routed").inc()
         self._metrics.routes.labels("primary").inc()
         answer = responses.route_response(route, facts)

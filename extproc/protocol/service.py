@@ -1,22 +1,45 @@
-"""Process wiring for `extproc serve`: gRPC server, health, metrics endpoint, signals."""
+"""Process wiring for `extproc serve`: gRPC server, health, admin HTTP, reload, shutdown.
+
+Lifecycle:
+- start: load and compile fleet.yaml (exit 2 with path-indexed errors if invalid), build the
+  admission gate (Redis or in-memory), start gRPC (+ grpc.health.v1) and the admin HTTP server,
+  print ``READY grpc=<port> metrics=<port>`` on stdout;
+- SIGHUP or a change of the file's contents: reload — validate first; an invalid file is
+  rejected with its errors logged and the old runtime keeps serving; a valid one replaces the
+  runtime in one reference assignment (placement of existing sessions moves only as consistent
+  hashing moves it: ≈1/N on adding or removing one of N clusters);
+- SIGTERM/SIGINT: report NOT_SERVING, stop taking new streams, let in-flight ones finish within
+  the grace period (then cancel them; each stream's ``finally`` releases its budget), close the
+  gate, exit 0.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import random
 import signal
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
-from extproc.config import ConfigError, load_runtime
+from extproc.config import ConfigError, Runtime, load_runtime
+from extproc.config.load import runtime_from_bytes
+from extproc.config.runtime import scale_budgets
+from extproc.explain import explain_request
+from extproc.ledger.gate import AdmissionGate, build_gate
 from extproc.logs import setup_logging
 from extproc.metrics import Metrics
+from extproc.protocol.admin import AdminApp, start_admin
 from extproc.protocol.server import FleetProcessor, RuntimeHolder
+from extproc.render.envoy_dynamic import write_cds
 
 log = logging.getLogger("extproc.serve")
 
@@ -32,9 +55,17 @@ class ServeOptions:
     log_level: str = "info"
     uvloop: bool = True
     grace_s: float = 10.0
+    watch_interval_s: float = 1.0
+    # Multi-process serving: this process is worker `worker_index` of `workers`, sharing the
+    # gRPC port through SO_REUSEPORT on purpose.
+    workers: int = 1
+    worker_index: int = 0
+    redis_url: str | None = None
+    envoy_cds_path: str | None = None
+    seed: int | None = None
 
 
-def grpc_options(max_body_bytes: int) -> list[tuple[str, int]]:
+def grpc_options(max_body_bytes: int, reuse_port: bool = False) -> list[tuple[str, int]]:
     # The body arrives as one gRPC message: the default 4 MiB receive cap would fail long
     # contexts with a 500. grpcio turns SO_REUSEPORT on by default, which lets a stale processor
     # on the same port silently share traffic: off unless multi-process serving asks for it.
@@ -42,54 +73,209 @@ def grpc_options(max_body_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
     ]
+
+
+class Service:
+    def __init__(self, opts: ServeOptions, runtime: Runtime, raw_config: bytes) -> None:
+        self.opts = opts
+        self.registry = CollectorRegistry()
+        self.metrics = Metrics(self.registry)
+        self.holder = RuntimeHolder(self._local_view(runtime))
+        self._config_bytes = raw_config
+        rng = random.Random(opts.seed)
+        self.gate: AdmissionGate = build_gate(
+            self.holder.current, self.registry, time.monotonic, rng, opts.redis_url
+        )
+        self.health = health.aio.HealthServicer()
+        self.draining = False
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._stop = asyncio.Event()
+        self._reload_requested = asyncio.Event()
+        self._set_version(None, runtime.version)
+
+    def _local_view(self, runtime: Runtime) -> Runtime:
+        """With several workers and no Redis, each worker enforces its share of every budget."""
+        if self.opts.workers > 1 and not (self.opts.redis_url or runtime.config.redis.url):
+            return scale_budgets(runtime, 1 / self.opts.workers)
+        return runtime
+
+    def _set_version(self, old: str | None, new: str) -> None:
+        if old is not None:
+            self.metrics.config_info.remove(old)
+        self.metrics.config_info.labels(new).set(1)
+
+    # -- readiness / explain -----------------------------------------------------------------
+    def readiness(self) -> tuple[bool, dict[str, object]]:
+        mode = self.gate.mode
+        redis_configured = bool(self.opts.redis_url or self.holder.current.config.redis.url)
+        degraded = redis_configured and mode != "redis"
+        policy = self.holder.current.config.redis.on_unavailable
+        # Degraded to local budgets is a known, configured state: still ready. With the
+        # "closed" policy a replica without Redis can only reject, so it is not ready.
+        ready = not self.draining and not (degraded and policy == "closed")
+        return ready, {
+            "config_version": self.holder.current.version,
+            "ledger": mode,
+            "degraded": degraded,
+            "draining": self.draining,
+        }
+
+    async def explain(self, path: str, headers: dict[str, str], body: bytes) -> dict[str, object]:
+        result = explain_request(self.holder.current, path, headers, body)
+        if result.get("outcome") == "route":
+            runtime = self.holder.current
+            cls = next(c for c in runtime.policy.classes if c.name == result["class"])
+            result["ledger"] = self.gate.mode
+            result["budget_usage_on_primary"] = await self.gate.usage(
+                str(result["primary"]), cls.name, cls.budget
+            )
+        return result
+
+    # -- reload ------------------------------------------------------------------------------
+    def request_reload(self) -> None:
+        self._reload_requested.set()
+
+    def reload(self) -> bool:
+        path = Path(self.opts.config_path)
+        try:
+            raw = _file_bytes(path)
+        except OSError as exc:
+            self._reject([str(exc)])
+            return False
+        # Remember what was looked at, valid or not: the watcher then retries only when the
+        # file changes again, instead of logging the same errors every second.
+        self._config_bytes = raw
+        try:
+            fresh = runtime_from_bytes(raw, str(path))
+        except ConfigError as exc:
+            self._reject(exc.problems)
+            return False
+        old = self.holder.current.version
+        if fresh.version == old:
+            return True
+        self.holder.current = self._local_view(fresh)
+        self.gate.publish_limits(self.holder.current)
+        self._set_version(old, fresh.version)
+        self.metrics.config_reloads.labels("applied").inc()
+        if self.opts.envoy_cds_path:
+            write_cds(fresh, self.opts.envoy_cds_path)
+        log.info(
+            "config reloaded",
+            extra={
+                "from_version": old,
+                "to_version": fresh.version,
+                "clusters": list(fresh.cluster_names),
+            },
+        )
+        return True
+
+    def _reject(self, problems: list[str]) -> None:
+        self.metrics.config_reloads.labels("rejected").inc()
+        log.error(
+            "config reload rejected; still serving the old config",
+            extra={
+                "path": self.opts.config_path,
+                "problems": problems,
+                "serving_version": self.holder.current.version,
+            },
+        )
+
+    async def _watch(self) -> None:
+        """Reload on SIGHUP, and when the file's bytes change (polled: no inotify dependency,
+        and it also catches the symlink swap Kubernetes uses for ConfigMap updates)."""
+        path = Path(self.opts.config_path)
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reload_requested.wait(), self.opts.watch_interval_s)
+            signalled = self._reload_requested.is_set()
+            self._reload_requested.clear()
+            try:
+                changed = _file_bytes(path) != self._config_bytes
+            except OSError as exc:
+                log.warning("cannot read config file", extra={"path": str(path), "error": str(exc)})
+                continue
+            if signalled or changed:
+                self.reload()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def run(self) -> int:
+        cfg = self.holder.current.config
+        reuse = self.opts.workers > 1
+        server = grpc.aio.server(options=grpc_options(cfg.processor.max_body_bytes, reuse))
+        processor = FleetProcessor(self.holder, self.metrics, self.gate)
+        ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        address = self.opts.address or cfg.processor.address
+        port = cfg.processor.port if self.opts.port is None else self.opts.port
+        self.grpc_port = server.add_insecure_port(f"{address}:{port}")
+        if not self.grpc_port:
+            log.error("cannot bind gRPC port", extra={"address": address, "port": port})
+            return 1
+        await self.gate.start()
+        metrics_port = (
+            cfg.processor.metrics_port if self.opts.metrics_port is None else self.opts.metrics_port
+        )
+        if metrics_port and self.opts.workers > 1:
+            metrics_port += self.opts.worker_index  # one admin port per worker
+        admin = AdminApp(self.registry, self.readiness, self.explain)
+        # The admin port serves probes (/readyz) and Prometheus: it listens where gRPC does
+        # (a pod IP or 0.0.0.0 in Kubernetes, 127.0.0.1 locally).
+        runner, self.metrics_port = await start_admin(admin, address, metrics_port)
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        loop.add_signal_handler(signal.SIGHUP, self.request_reload)
+        watcher = asyncio.create_task(self._watch())
+        log.info(
+            "serving",
+            extra={
+                "grpc_port": self.grpc_port,
+                "metrics_port": self.metrics_port,
+                "config_version": self.holder.current.version,
+                "ledger": self.gate.mode,
+                "worker": self.opts.worker_index,
+            },
+        )
+        # A machine-readable ready line on stdout for supervisors and tests.
+        print(f"READY grpc={self.grpc_port} metrics={self.metrics_port}", flush=True)
+        await self._stop.wait()
+        self.draining = True
+        log.info("draining", extra={"grace_s": self.opts.grace_s, "streams": processor.active})
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        # New streams are refused at once; open ones get the grace period, then are cancelled
+        # (and release their budget in their finally blocks).
+        await server.stop(self.opts.grace_s)
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+        await self.gate.close()
+        await runner.cleanup()
+        log.info("stopped", extra={"held_after_drain": self.gate.held})
+        return 0
+
+
+def _file_bytes(path: Path) -> bytes:
+    # A config file is a few KB: reading it on the loop is cheaper than a thread hop.
+    return path.read_bytes()
 
 
 async def serve(opts: ServeOptions) -> int:
     try:
+        raw = _file_bytes(Path(opts.config_path))
         runtime = load_runtime(opts.config_path)
     except (ConfigError, OSError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    cfg = runtime.config
-    registry = CollectorRegistry()
-    metrics = Metrics(registry)
-    metrics.config_info.labels(runtime.version).set(1)
-    holder = RuntimeHolder(runtime)
-    server = grpc.aio.server(options=grpc_options(cfg.processor.max_body_bytes))
-    ep_grpc.add_ExternalProcessorServicer_to_server(FleetProcessor(holder, metrics), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = opts.address or cfg.processor.address
-    port = cfg.processor.port if opts.port is None else opts.port
-    bound = server.add_insecure_port(f"{address}:{port}")
-    metrics_port = cfg.processor.metrics_port if opts.metrics_port is None else opts.metrics_port
-    metrics_server, _thread = start_http_server(metrics_port, "127.0.0.1", registry=registry)
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    log.info(
-        "serving",
-        extra={
-            "grpc_port": bound,
-            "metrics_port": metrics_server.server_port,
-            "config_version": runtime.version,
-        },
-    )
-    # A machine-readable ready line on stdout for supervisors and tests.
-    print(f"READY grpc={bound} metrics={metrics_server.server_port}", flush=True)
-    await stop.wait()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(opts.grace_s)
-    metrics_server.shutdown()
-    log.info("stopped")
-    return 0
+    if opts.envoy_cds_path:
+        write_cds(runtime, opts.envoy_cds_path)
+    return await Service(opts, runtime, raw).run()
 
 
 def serve_forever(opts: ServeOptions) -> int:

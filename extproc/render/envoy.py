@@ -309,6 +309,28 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
                         }
                     ],
                 },
+                # Several processor replicas may sit behind this name (compose aliases, a
+                # headless Service): drop a dead one fast via the gRPC health service, and
+                # eject one that resets streams, instead of failing requests open.
+                "health_checks": [
+                    {
+                        "timeout": "0.5s",
+                        "interval": "1s",
+                        "no_traffic_interval": "1s",
+                        "unhealthy_threshold": 1,
+                        "healthy_threshold": 1,
+                        "grpc_health_check": {},
+                    }
+                ],
+                "outlier_detection": {
+                    "consecutive_gateway_failure": 1,
+                    "enforcing_consecutive_gateway_failure": 100,
+                    "consecutive_5xx": 5,
+                    "enforcing_consecutive_5xx": 0,
+                    "interval": "1s",
+                    "base_ejection_time": "5s",
+                    "max_ejection_percent": 50,
+                },
                 # ext_proc is gRPC: the cluster must speak HTTP/2.
                 "typed_extension_protocol_options": {
                     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
