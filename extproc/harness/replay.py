@@ -119,6 +119,8 @@ class RequestOutcome:
     session_id: str | None
     input_tokens: int
     error: str | None = None
+    # The retry-after header of the last attempt (a 429 without one gives a client no hint).
+    retry_after: str | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -456,6 +458,7 @@ class _Runner:
             session_id=request.session_id,
             input_tokens=request.input_tokens,
             error=result.error,
+            retry_after=result.retry_after,
         )
         if self.outcomes[index] is not None:
             raise RuntimeError(f"request {index} recorded twice")
