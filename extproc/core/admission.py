@@ -29,7 +29,7 @@ clock, so the refill math of many replicas never mixes skewed local clocks).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from random import Random
 
@@ -125,7 +125,11 @@ class Demand:
     limits: Limits
 
     def shared(self, replicas: int) -> Demand:
-        return replace(self, limits=self.limits.share(replicas))
+        if replicas <= 1:
+            return self
+        return Demand(
+            self.cluster, self.class_name, self.tokens, self.budget, self.limits.share(replicas)
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from random import Random
 from typing import Literal
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from extproc.config.runtime import Runtime
 from extproc.core.admission import (
@@ -75,6 +76,16 @@ class _LogThrottle:
         return self._suppressed.pop(key, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class _Series:
+    """The metric children one (cluster, class, ledger) touches on every admit and release."""
+
+    tokens: Gauge
+    requests: Gauge
+    leases: Gauge
+    admitted: Counter
+
+
 class AdmissionGate:
     def __init__(
         self,
@@ -103,6 +114,7 @@ class AdmissionGate:
         self._down_until: float | None = None
         self._held: dict[str, Ticket] = {}
         self._limits_seen: dict[tuple[str, str], Limits] = {}
+        self._series_cache: dict[tuple[str, str, str], _Series] = {}
         self._renewer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._throttle = _LogThrottle(clock, LOG_INTERVAL_S)
@@ -194,7 +206,6 @@ class AdmissionGate:
             self._count_reject(outcome)
             return outcome
         self._track(outcome.ticket)
-        self._m.admissions.labels(demand.class_name, "admitted").inc()
         return outcome
 
     async def _reserve_shared(self, shared: RedisLedger, demand: Demand) -> LedgerAnswer | None:
@@ -214,16 +225,32 @@ class AdmissionGate:
         self._m.admissions.labels(reject.class_name, result).inc()
         self._m.rejections.labels(reject.class_name, str(reject.status), reject.reason).inc()
 
+    def _series(self, ticket: Ticket) -> _Series:
+        # labels() costs more than the whole in-memory reservation: resolve each once.
+        key = (ticket.cluster, ticket.class_name, ticket.store)
+        series = self._series_cache.get(key)
+        if series is None:
+            series = self._series_cache[key] = _Series(
+                self._m.inflight_tokens.labels(ticket.cluster, ticket.class_name),
+                self._m.inflight_requests.labels(ticket.cluster, ticket.class_name),
+                self._m.leases_held.labels(ticket.store),
+                self._m.admissions.labels(ticket.class_name, "admitted"),
+            )
+        return series
+
     def _track(self, ticket: Ticket) -> None:
         self._held[ticket.lease] = ticket
-        self._m.inflight_tokens.labels(ticket.cluster, ticket.class_name).inc(ticket.tokens)
-        self._m.inflight_requests.labels(ticket.cluster, ticket.class_name).inc()
-        self._m.leases_held.labels(ticket.store).inc()
+        series = self._series(ticket)
+        series.tokens.inc(ticket.tokens)
+        series.requests.inc()
+        series.leases.inc()
+        series.admitted.inc()
 
     def _untrack(self, ticket: Ticket) -> None:
-        self._m.inflight_tokens.labels(ticket.cluster, ticket.class_name).dec(ticket.tokens)
-        self._m.inflight_requests.labels(ticket.cluster, ticket.class_name).dec()
-        self._m.leases_held.labels(ticket.store).dec()
+        series = self._series(ticket)
+        series.tokens.dec(ticket.tokens)
+        series.requests.dec()
+        series.leases.dec()
 
     # -- release ----------------------------------------------------------------------------
 
