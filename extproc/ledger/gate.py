@@ -215,6 +215,12 @@ class AdmissionGate:
         except LedgerUnavailable as exc:
             self._redis_failed("reserve", exc)
             return None
+        except Exception as exc:
+            # Not a connectivity problem (e.g. a reply this code cannot parse): still never
+            # a crashed stream. Treated like an outage, with the traceback in the log.
+            log.exception("redis ledger reserve failed unexpectedly")
+            self._redis_failed("reserve", exc)
+            return None
         finally:
             self._m.redis_seconds.labels("reserve").observe(self._clock() - started)
         self._redis_ok()
@@ -274,8 +280,6 @@ class AdmissionGate:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             await asyncio.shield(task)
-        except asyncio.CancelledError:
-            raise
         except Exception:
             self._m.release_errors.inc()
             log.exception("budget release failed", extra={"request_class": ticket.class_name})
@@ -288,6 +292,11 @@ class AdmissionGate:
             # The lease is no longer renewed, so Redis frees it within the lease TTL.
             self._m.release_errors.inc()
             self._redis_failed("release", exc)
+            return
+        except Exception:
+            # This runs shielded, possibly with no one awaiting it: handle everything here.
+            self._m.release_errors.inc()
+            log.exception("budget release failed", extra={"request_class": ticket.class_name})
             return
         finally:
             self._m.redis_seconds.labels("release").observe(self._clock() - started)
