@@ -153,6 +153,7 @@ class FleetStack:
     listener_port: int = field(default=0, init=False)
     admin_port: int = field(default=0, init=False)
     grpc_port: int = field(default=0, init=False)
+    grpc_ports: list[int] = field(default_factory=list, init=False)
     metrics_ports: list[int] = field(default_factory=list, init=False)
     fleet_path: Path = field(default=Path(), init=False)
     envoy_path: Path = field(default=Path(), init=False)
@@ -191,16 +192,18 @@ class FleetStack:
         self.fleet_path.write_text(yaml.safe_dump(self.fleet_config(), sort_keys=False))
         runtime = load_runtime(self.fleet_path)
         log_path = str(self.workdir / "access.log") if self.access_log else None
-        bootstrap = render_bootstrap(
-            runtime, EnvoyOptions(mode=self.mode, access_log_path=log_path)
-        )
+        replicas = tuple(f"{LOOPBACK}:{p}" for p in self.grpc_ports)
+        opts = EnvoyOptions(mode=self.mode, access_log_path=log_path, extproc_endpoints=replicas)
+        bootstrap = render_bootstrap(runtime, opts)
         self.envoy_path = self.workdir / "envoy.yaml"
         self.envoy_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
 
     # ----- lifecycle ----------------------------------------------------------------------
     def start(self) -> FleetStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.listener_port, self.admin_port, self.grpc_port = free_port(), free_port(), free_port()
+        self.listener_port, self.admin_port = free_port(), free_port()
+        self.grpc_ports = [free_port() for _ in range(max(1, self.processors))]
+        self.grpc_port = self.grpc_ports[0]
         for i in range(1, self.clusters + 1):
             spec = SimSpec(f"c{i}", free_port(), self.sim_args)
             self.sim_specs[spec.name] = spec
@@ -251,8 +254,7 @@ class FleetStack:
     def start_processor(self, index: int = 0, extra: Sequence[str] = ()) -> Proc:
         argv = [sys.executable, "-m", "extproc", "serve", "--config", str(self.fleet_path)]
         argv += list(self.processor_args) + list(extra)
-        if self.processors > 1 or index > 0:
-            argv += ["--port", str(self.grpc_port)]
+        argv += ["--port", str(self.grpc_ports[index])]
         proc = Proc(
             f"extproc-{index}", argv, self.workdir / f"extproc-{index}.log", self.processor_env
         )
@@ -272,7 +274,10 @@ class FleetStack:
 
         wait_until(is_ready, 30, "processor READY line")
         metrics = dict(kv.split("=") for kv in ready[0].split()[1:])
-        self.metrics_ports.append(int(metrics["metrics"]))
+        if index < len(self.metrics_ports):
+            self.metrics_ports[index] = int(metrics["metrics"])
+        else:
+            self.metrics_ports.append(int(metrics["metrics"]))
         if index < len(self.procs):
             self.procs[index] = proc
         else:
@@ -326,6 +331,19 @@ class FleetStack:
             if key == name:
                 return int(value)
         return 0
+
+    def processor_metrics(
+        self, index: int = 0
+    ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Samples from a processor's /metrics: (name, sorted labels) -> value."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        _status, body = http_get(self.metrics_ports[index], "/metrics")
+        samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for family in text_string_to_metric_families(body.decode()):
+            for sample in family.samples:
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return samples
 
     def stop(self) -> None:
         for proc in [self.envoy, *self.procs, *self.sims.values()]:

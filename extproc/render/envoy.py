@@ -44,6 +44,9 @@ class EnvoyOptions:
     access_log_path: str | None = "/dev/stdout"
     # Host:port overrides for tests and local runs: map compose service names to loopback.
     host_map: tuple[tuple[str, str], ...] = ()
+    # Processor replicas as host:port when they are not one name (default: processor.address
+    # and processor.port from fleet.yaml).
+    extproc_endpoints: tuple[str, ...] = ()
 
 
 def _map(hostport: str, opts: EnvoyOptions) -> tuple[str, int]:
@@ -284,9 +287,8 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     out.append(fallback)
     if opts.mode == "extproc":
         out.extend(_aggregate(p.name, s.name) for p, s in itertools.permutations(clusters, 2))
-        host, port = _map(
-            f"{runtime.config.processor.address}:{runtime.config.processor.port}", opts
-        )
+        proc = runtime.config.processor
+        replicas = opts.extproc_endpoints or (f"{proc.address}:{proc.port}",)
         out.append(
             {
                 "name": EXTPROC_CLUSTER,
@@ -295,19 +297,7 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
                 "connect_timeout": "0.25s",
                 "load_assignment": {
                     "cluster_name": EXTPROC_CLUSTER,
-                    "endpoints": [
-                        {
-                            "lb_endpoints": [
-                                {
-                                    "endpoint": {
-                                        "address": {
-                                            "socket_address": {"address": host, "port_value": port}
-                                        }
-                                    }
-                                }
-                            ]
-                        }
-                    ],
+                    "endpoints": [{"lb_endpoints": [_endpoint(e, opts) for e in replicas]}],
                 },
                 # Several processor replicas may sit behind this name (compose aliases, a
                 # headless Service): drop a dead one fast via the gRPC health service, and
