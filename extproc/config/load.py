@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from extproc.config.runtime import Runtime, compile_runtime
-from extproc.config.schema import RESERVED_CLUSTER_NAMES, FleetConfig
+from extproc.config.schema import RESERVED_CLUSTER_NAMES, ClassConfig, FleetConfig
 
 
 class ConfigError(ValueError):
@@ -63,6 +63,21 @@ def _describe(err: dict[str, object]) -> str:
     return str(err.get("msg", "invalid"))
 
 
+# The processor's own headers (extproc.protocol.names.FLEET_HEADERS) share this prefix.
+FLEET_HEADER_PREFIX = "x-fleet-"
+
+
+def _shadows(earlier: ClassConfig, later: ClassConfig) -> bool:
+    """Every request ``later`` would admit is already taken by ``earlier`` (first match wins)."""
+    tiers_covered = not earlier.tiers or (
+        bool(later.tiers) and set(later.tiers) <= set(earlier.tiers)
+    )
+    tokens_covered = earlier.max_input_tokens is None or (
+        later.max_input_tokens is not None and later.max_input_tokens <= earlier.max_input_tokens
+    )
+    return tiers_covered and tokens_covered
+
+
 def cross_check(cfg: FleetConfig) -> list[str]:
     """Checks that span fields: references, uniqueness, coverage."""
     problems: list[str] = []
@@ -104,6 +119,13 @@ def cross_check(cfg: FleetConfig) -> list[str]:
                 f"classes[{i}].budget.burst_tokens: must be >= max_input_tokens "
                 f"({limit}) or the largest requests of the class never fit"
             )
+        for j, earlier in enumerate(cfg.classes[:i]):
+            if _shadows(earlier, cls):
+                problems.append(
+                    f"classes[{i}]: unreachable: every request it admits matches "
+                    f"classes[{j}] ({earlier.name!r}) first"
+                )
+                break
     last = len(cfg.classes) - 1
     tail = cfg.classes[last]
     if tail.max_input_tokens is not None or tail.tiers:
@@ -112,6 +134,14 @@ def cross_check(cfg: FleetConfig) -> list[str]:
         )
     if any(c.tiers for c in cfg.classes) and not cfg.session.tier_header:
         problems.append("session.tier_header: required when a class lists tiers")
+    for field in ("header", "tier_header"):
+        value = getattr(cfg.session, field)
+        if value and value.startswith(FLEET_HEADER_PREFIX):
+            # Envoy strips the processor's own headers from client requests
+            # (internal_only_headers): a trusted header in that namespace never arrives.
+            problems.append(
+                f"session.{field}: {FLEET_HEADER_PREFIX}* headers are reserved for the processor"
+            )
     ports = {
         "listener.port": cfg.listener.port,
         "listener.admin_port": cfg.listener.admin_port,
