@@ -171,6 +171,35 @@ ERRORS: list[tuple[Edit, str]] = [
         _set(("processor",), {"failure_mode": "maybe"}),
         "processor.failure_mode: Input should be 'open' or 'closed'",
     ),
+    (
+        _set(("session",), {"header": "x-fleet-session"}),
+        "session.header: x-fleet-* headers are reserved for the processor",
+    ),
+    (
+        _set(
+            ("classes",),
+            [
+                {"name": "short", "max_input_tokens": 4096},
+                {"name": "tiny", "max_input_tokens": 512},
+                {"name": "rest"},
+            ],
+        ),
+        "classes[1]: unreachable: every request it admits matches classes[0] ('short') first",
+    ),
+    (
+        _all(
+            _set(("session",), {"tier_header": "x-tier"}),
+            _set(
+                ("classes",),
+                [
+                    {"name": "short", "max_input_tokens": 2048},
+                    {"name": "gold-short", "max_input_tokens": 1024, "tiers": ["gold"]},
+                    {"name": "rest"},
+                ],
+            ),
+        ),
+        "classes[1]: unreachable: every request it admits matches classes[0] ('short') first",
+    ),
 ]
 ERROR_IDS = [
     "zero-weight",
@@ -198,6 +227,9 @@ ERROR_IDS = [
     "negative-budget",
     "zero-first-message-chars",
     "failure-mode-not-open-or-closed",
+    "session-header-in-the-fleet-namespace",
+    "class-behind-a-wider-band",
+    "tier-class-behind-an-untiered-class",
 ]
 
 
@@ -232,6 +264,18 @@ def test_cluster_names_are_safe_for_aggregate_names(name: str, ok: bool) -> None
         parse_config(doc)
     else:
         assert any(p.startswith("clusters[0].name:") for p in problems_of(doc))
+
+
+def test_a_tier_class_before_the_general_one_is_reachable() -> None:
+    doc = base()
+    doc["session"] = {"tier_header": "x-tier"}
+    doc["classes"] = [
+        {"name": "gold-short", "max_input_tokens": 4096, "tiers": ["gold"]},
+        {"name": "short", "max_input_tokens": 2048},
+        {"name": "medium", "max_input_tokens": 100_000},
+        {"name": "rest"},
+    ]
+    parse_config(doc)
 
 
 def test_every_problem_is_reported_at_once() -> None:
