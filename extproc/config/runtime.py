@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -24,6 +25,7 @@ class Runtime:
     policy: Policy
     key_rules: KeyRules
     parse_limits: ParseLimits
+    endpoints: Mapping[str, tuple[str, ...]]
 
     @property
     def cluster_names(self) -> tuple[str, ...]:
@@ -72,6 +74,7 @@ def compile_runtime(cfg: FleetConfig, raw: bytes | None = None) -> Runtime:
             prompt_chars=cfg.prefix.prompt_chars,
         ),
         parse_limits=ParseLimits(cfg.processor.max_body_bytes, cfg.prefix.bytes_per_token),
+        endpoints=MappingProxyType({c.name: c.endpoints for c in clusters}),
     )
 
 

@@ -41,6 +41,11 @@ class ProcessorConfig(Strict):
     message_timeout_ms: int = Field(default=2000, gt=0)
     max_body_bytes: int = Field(default=32 << 20, gt=0)
     workers: int = Field(default=1, ge=1, le=64)
+    # route: set x-fleet-route for Envoy's aggregate clusters (the default).
+    # endpoint_picker: act as a Gateway API Inference Extension Endpoint Picker — name the
+    # primary's endpoint then the secondary's in x-gateway-destination-endpoint and in the
+    # envoy.lb dynamic metadata; 503 when no endpoint is ready.
+    mode: Literal["route", "endpoint_picker"] = "route"
 
 
 class ClusterConfig(Strict):

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
 
 from extproc.core.admission import Reject, rate_limit_headers
 from extproc.core.api import BadRequest, ErrorStyle
@@ -53,6 +54,33 @@ def route_response(route: Route, facts: RequestFacts) -> ep.ProcessingResponse:
     sets.append(_set(CLASS_HEADER, route.request_class.name))
     sets.append(_set(SESSION_HEADER, facts.session.label))
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+
+
+# The Inference Extension's Endpoint Picker protocol: the header and the envoy.lb metadata key
+# that Envoy's override_host load-balancing policy reads (one of the two is configured there).
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+LB_NAMESPACE = "envoy.lb"
+
+
+def endpoint_response(
+    route: Route, facts: RequestFacts, endpoints: list[str]
+) -> ep.ProcessingResponse:
+    """Body-phase answer in endpoint-picker mode: the primary's endpoint, then the fallback.
+
+    No clear_route_cache: the route (to the pool) is fixed; only the host choice changes.
+    """
+    value = ",".join(endpoints)
+    common = ep.CommonResponse()
+    sets = common.header_mutation.set_headers
+    sets.append(_set(DESTINATION_HEADER, value))
+    sets.append(_set(PRIMARY_HEADER, route.placement.primary))
+    sets.append(_set(CLASS_HEADER, route.request_class.name))
+    sets.append(_set(SESSION_HEADER, facts.session.label))
+    metadata = struct_pb2.Struct()
+    metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: value}})
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata
+    )
 
 
 def immediate(

@@ -18,11 +18,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from extproc.config.runtime import Runtime
 from extproc.core.admission import Admitted, Reject
-from extproc.core.api import BadRequest, api_for_path
-from extproc.core.facts import parse_request
+from extproc.core.api import Api, BadRequest, api_for_path
+from extproc.core.decide import Route
+from extproc.core.endpoints import pick_endpoints
+from extproc.core.facts import RequestFacts, parse_request
 from extproc.ledger.gate import AdmissionGate
 from extproc.metrics import Metrics
 from extproc.protocol import responses
+from extproc.protocol.endpoint_health import EndpointHealth
 from extproc.protocol.state import StreamState
 
 log = logging.getLogger("extproc.server")
@@ -52,7 +55,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         metrics: Metrics,
         gate: AdmissionGate | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        endpoint_health: EndpointHealth | None = None,
     ) -> None:
+        self._endpoint_health = endpoint_health
         self._runtime = runtime
         self._metrics = metrics
         self._gate = gate
@@ -176,9 +181,29 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 state.ticket = outcome.ticket
         self._metrics.requests.labels(facts.api.value, route.request_class.name, "routed").inc()
         self._metrics.routes.labels("primary").inc()
-        answer = responses.route_response(route, facts)
+        if runtime.config.processor.mode == "endpoint_picker":
+            answer = self._pick(runtime, route, facts, api)
+        else:
+            answer = responses.route_response(route, facts)
         self._metrics.decision_seconds.observe(self._clock() - started)
         return answer
+
+    def _pick(
+        self, runtime: Runtime, route: Route, facts: RequestFacts, api: Api
+    ) -> ep.ProcessingResponse:
+        ranked = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
+        ready = (
+            self._endpoint_health.ready
+            if self._endpoint_health
+            else frozenset(e for eps in runtime.endpoints.values() for e in eps)
+        )
+        picked = pick_endpoints(facts.session.point, ranked, runtime.endpoints, ready)
+        if not picked:
+            self._metrics.routes.labels("no_endpoint").inc()
+            return responses.error_response(
+                api.error_style, 503, "no inference endpoint is ready", "no_ready_endpoint"
+            )
+        return responses.endpoint_response(route, facts, picked)
 
     def _answer_bad(self, bad: BadRequest, api: str) -> ep.ProcessingResponse:
         outcome = "too_large" if bad.status == 413 else "bad_request"

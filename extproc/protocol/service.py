@@ -38,6 +38,7 @@ from extproc.ledger.gate import AdmissionGate, build_gate
 from extproc.logs import setup_logging
 from extproc.metrics import Metrics
 from extproc.protocol.admin import AdminApp, start_admin
+from extproc.protocol.endpoint_health import EndpointHealth
 from extproc.protocol.server import FleetProcessor, RuntimeHolder
 from extproc.render.envoy_dynamic import write_cds
 
@@ -89,6 +90,9 @@ class Service:
             self.holder.current, self.registry, time.monotonic, rng, opts.redis_url
         )
         self.health = health.aio.HealthServicer()
+        self.endpoint_health: EndpointHealth | None = None
+        if runtime.config.processor.mode == "endpoint_picker":
+            self.endpoint_health = EndpointHealth(runtime.endpoints, _health_paths(runtime))
         self.draining = False
         self.grpc_port = 0
         self.metrics_port = 0
@@ -158,6 +162,8 @@ class Service:
             return True
         self.holder.current = self._local_view(fresh)
         self.gate.publish_limits(self.holder.current)
+        if self.endpoint_health is not None:
+            self.endpoint_health.update(fresh.endpoints, _health_paths(fresh))
         self._set_version(old, fresh.version)
         self.metrics.config_reloads.labels("applied").inc()
         if self.opts.envoy_cds_path:
@@ -205,7 +211,9 @@ class Service:
         cfg = self.holder.current.config
         reuse = self.opts.workers > 1
         server = grpc.aio.server(options=grpc_options(cfg.processor.max_body_bytes, reuse))
-        processor = FleetProcessor(self.holder, self.metrics, self.gate)
+        processor = FleetProcessor(
+            self.holder, self.metrics, self.gate, endpoint_health=self.endpoint_health
+        )
         ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         address = self.opts.address or cfg.processor.address
@@ -215,6 +223,8 @@ class Service:
             log.error("cannot bind gRPC port", extra={"address": address, "port": port})
             return 1
         await self.gate.start()
+        if self.endpoint_health is not None:
+            await self.endpoint_health.start()
         metrics_port = (
             cfg.processor.metrics_port if self.opts.metrics_port is None else self.opts.metrics_port
         )
@@ -256,9 +266,15 @@ class Service:
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
         await self.gate.close()
+        if self.endpoint_health is not None:
+            await self.endpoint_health.close()
         await runner.cleanup()
         log.info("stopped", extra={"held_after_drain": self.gate.held})
         return 0
+
+
+def _health_paths(runtime: Runtime) -> dict[str, str]:
+    return {c.name: c.health_path for c in runtime.clusters}
 
 
 def _file_bytes(path: Path) -> bytes:

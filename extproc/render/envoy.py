@@ -174,7 +174,8 @@ def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     if opts.mode == "ring_hash":
         header = runtime.config.session.header or "x-session-id"
         fallback["route"]["hash_policy"] = [{"header": {"header_name": header}}]
-    if opts.mode != "extproc":
+    if opts.mode != "extproc" or _picks_endpoints(runtime):
+        # Endpoint-picker mode routes everything to the pool; the picker chooses the host.
         return [fallback]
     by_header = {
         "match": {"prefix": "/", "headers": [{"name": ROUTE_HEADER, "present_match": True}]},
@@ -187,8 +188,56 @@ def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     return [by_header, fallback]
 
 
+def _picks_endpoints(runtime: Runtime) -> bool:
+    return runtime.config.processor.mode == "endpoint_picker"
+
+
+def _override_host_policy() -> Json:
+    """Inference Extension host selection: try the picker's endpoints in order (the next one on
+    each retry), else round robin. ONE source (metadata): configuring the header too would
+    duplicate the list and make retries cycle over the same hosts."""
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": ext_type("load_balancing_policies.override_host.v3.OverrideHost"),
+                        "override_host_sources": [
+                            {
+                                "metadata": {
+                                    "key": "envoy.lb",
+                                    "path": [{"key": "x-gateway-destination-endpoint"}],
+                                }
+                            }
+                        ],
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.round_robin",
+                                        "typed_config": {
+                                            "@type": ext_type(
+                                                "load_balancing_policies.round_robin.v3.RoundRobin"
+                                            )
+                                        },
+                                    }
+                                }
+                            ]
+                        },
+                    },
+                }
+            }
+        ]
+    }
+
+
 def _ext_proc_filter(runtime: Runtime) -> Json:
     proc = runtime.config.processor
+    extra: Json = {}
+    if _picks_endpoints(runtime):
+        # Without this Envoy silently drops the envoy.lb metadata the picker returns.
+        extra["metadata_options"] = {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -212,6 +261,7 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
                 "request_trailer_mode": "SKIP",
                 "response_trailer_mode": "SKIP",
             },
+            **extra,
         },
     }
 
@@ -284,9 +334,13 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     fallback = _inference_cluster(FALLBACK_CLUSTER, every_endpoint, clusters[0].health_path, opts)
     if opts.mode == "ring_hash":
         fallback["lb_policy"] = "RING_HASH"
+    if opts.mode == "extproc" and _picks_endpoints(runtime):
+        del fallback["lb_policy"]
+        fallback["load_balancing_policy"] = _override_host_policy()
     out.append(fallback)
     if opts.mode == "extproc":
-        out.extend(_aggregate(p.name, s.name) for p, s in itertools.permutations(clusters, 2))
+        if not _picks_endpoints(runtime):
+            out.extend(_aggregate(p.name, s.name) for p, s in itertools.permutations(clusters, 2))
         proc = runtime.config.processor
         replicas = opts.extproc_endpoints or (f"{proc.address}:{proc.port}",)
         out.append(

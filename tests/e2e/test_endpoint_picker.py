@@ -1,0 +1,89 @@
+"""Endpoint-picker (Inference Extension) mode through a real Envoy.
+
+Envoy is configured the way Inference Extension gateways pick hosts: one pool cluster holding
+every endpoint, with the override_host load-balancing policy reading the picker's list from
+the envoy.lb dynamic metadata (primary endpoint first, the secondary's on retry).
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from extproc.config import load_runtime
+from extproc.harness.launch import FleetStack
+from tests.e2e.conftest import MakeClient, dump_logs
+from tests.e2e.predict import placement_for
+
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture
+def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    stack = FleetStack(
+        tmp_path_factory.mktemp("epp"),
+        clusters=3,
+        fleet_overrides={"processor": {"mode": "endpoint_picker"}},
+    )
+    with stack:
+        yield stack
+
+
+def _body(text: str) -> bytes:
+    doc = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+    return orjson.dumps(doc)
+
+
+def test_picker_sends_sessions_to_primary_endpoint_and_falls_back(
+    picker: FleetStack, make_client: MakeClient
+) -> None:
+    runtime = load_runtime(picker.fleet_path)
+    client = make_client(picker.listener_port)
+    for i in range(20):
+        headers = {"x-session-id": f"epp-{i}"}
+        body = _body("hello")
+        status, hdrs, data = client.post_json(CHAT, body, headers)
+        assert status == 200, (data[:200], dump_logs(picker))
+        assert hdrs["x-served-by"] == placement_for(runtime, CHAT, body, headers).primary
+
+    headers = {"x-session-id": "epp-failover"}
+    body = _body("keep going")
+    placement = placement_for(runtime, CHAT, body, headers)
+    picker.sims[placement.primary].signal(signal.SIGKILL)
+    served: list[str] = []
+    for _ in range(40):  # through the outage, before and after the picker notices
+        status, hdrs, data = client.post_json(CHAT, body, headers)
+        assert status == 200, (data[:200], dump_logs(picker))
+        served.append(hdrs["x-served-by"])
+        time.sleep(0.05)
+    assert set(served) == {placement.secondary}, collections.Counter(served)
+
+    picker.restart_sim(placement.primary)
+    deadline = time.monotonic() + 10
+    while True:
+        status, hdrs, _ = client.post_json(CHAT, body, headers)
+        assert status == 200
+        if hdrs["x-served-by"] == placement.primary:
+            break
+        assert time.monotonic() < deadline, "session never returned to its primary endpoint"
+        time.sleep(0.2)
+
+
+def test_no_ready_endpoint_gets_503_json(picker: FleetStack, make_client: MakeClient) -> None:
+    for sim in picker.sims.values():
+        sim.signal(signal.SIGKILL)
+    client = make_client(picker.listener_port)
+    deadline = time.monotonic() + 10
+    while True:
+        status, hdrs, data = client.post_json(CHAT, _body("anyone?"))
+        if status == 503 and hdrs.get("content-type") == "application/json":
+            break
+        assert time.monotonic() < deadline, (status, data[:200])
+        time.sleep(0.2)
+    err = orjson.loads(data)["error"]
+    assert err["code"] == "no_ready_endpoint"
