@@ -114,10 +114,18 @@ def cross_check(cfg: FleetConfig) -> list[str]:
             seen_refs.setdefault(ref, j)
         b = cls.budget
         limit = cls.max_input_tokens
-        if b.tokens_per_second and b.burst_tokens and limit and b.burst_tokens < limit:
+        # A bounded class must be able to admit its own largest request; otherwise those
+        # requests could only ever get 413. (The catch-all class has no bound to check.)
+        burst = b.burst_tokens or int(b.tokens_per_second)  # 0 burst = one second of refill
+        if b.tokens_per_second and limit and burst < limit - 1:
             problems.append(
-                f"classes[{i}].budget.burst_tokens: must be >= max_input_tokens "
-                f"({limit}) or the largest requests of the class never fit"
+                f"classes[{i}].budget.burst_tokens: must be >= max_input_tokens - 1 "
+                f"({limit - 1}) or the largest requests of the class never fit"
+            )
+        if b.max_inflight_tokens and limit and b.max_inflight_tokens < limit - 1:
+            problems.append(
+                f"classes[{i}].budget.max_inflight_tokens: must be >= max_input_tokens - 1 "
+                f"({limit - 1}) or the largest requests of the class never fit"
             )
         for j, earlier in enumerate(cfg.classes[:i]):
             if _shadows(earlier, cls):

@@ -16,8 +16,9 @@ The split, so that check-and-reserve is one atomic step and every decision stays
 
 Budget semantics, per (cluster, class), 0 meaning "no cap" throughout:
 
-- ``max_inflight_tokens``: the tokens of all admitted, unfinished requests — a proxy for KV-cache
-  occupancy, which is why a request costs its input plus its requested output cap;
+- ``max_inflight_tokens``: the estimated input tokens of all admitted, unfinished requests — the
+  prefill work and prompt KV a class may hold on a cluster at once (classes are input-size bands,
+  so the budget is counted in the same unit; a request's output cap does not count);
 - ``max_concurrent``: admitted, unfinished requests;
 - ``tokens_per_second`` with ``burst_tokens``: a token bucket of capacity ``burst_tokens``
   refilled at ``tokens_per_second`` (``burst_tokens`` 0 means one second's worth).
@@ -238,16 +239,11 @@ class Reject:
 
 
 def request_tokens(facts: RequestFacts) -> int:
-    """Cost of a request: its input plus the output it asked for room to generate."""
-    return facts.input_tokens + (facts.max_output_tokens or 0)
+    """Cost of a request against its class budget: its estimated input tokens."""
+    return facts.input_tokens
 
 
 def _describe_cost(facts: RequestFacts) -> str:
-    if facts.max_output_tokens:
-        return (
-            f"{request_tokens(facts)} tokens ({facts.input_tokens} estimated input + "
-            f"{facts.max_output_tokens} requested output)"
-        )
     return f"{facts.input_tokens} estimated input tokens"
 
 
@@ -269,7 +265,7 @@ def plan(facts: RequestFacts, route: Route) -> Demand | Reject | None:
         message = (
             f"this request needs {_describe_cost(facts)}, but request class '{cls.name}' "
             f"allows at most {cap} tokens {what}, so it can never be admitted; shorten the "
-            "input or lower the maximum output tokens"
+            "input"
         )
         return Reject(
             413,

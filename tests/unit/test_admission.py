@@ -150,9 +150,9 @@ def test_demand_is_charged_to_the_primary_cluster_within_the_eligible_set() -> N
 # -- budget math --------------------------------------------------------------------------------
 
 
-def test_cost_is_input_plus_requested_output() -> None:
+def test_cost_is_the_estimated_input_only() -> None:
     assert request_tokens(facts(1000)) == 1000
-    assert request_tokens(facts(1000, max_output=300)) == 1300
+    assert request_tokens(facts(1000, max_output=300)) == 1000
 
 
 def test_share_splits_every_capped_dimension_and_keeps_caps_capped() -> None:
@@ -180,16 +180,28 @@ def test_burst_defaults_to_one_second_of_refill() -> None:
 # -- 413 vs 429 ---------------------------------------------------------------------------------
 
 
+# A catch-all class with a budget smaller than the inputs it accepts: only there can a request
+# outgrow its class's whole budget (a bounded class's budget is validated to hold its largest).
+CAPPED_LONG = [
+    {"name": "short", "max_input_tokens": 2048},
+    {"name": "long", "budget": {"max_inflight_tokens": 20_000, "max_concurrent": 8}},
+]
+RATED_LONG = [
+    {"name": "short", "max_input_tokens": 2048},
+    {"name": "long", "budget": {"tokens_per_second": 5_000, "burst_tokens": 150_000}},
+]
+
+
 def test_request_exactly_the_size_of_the_budget_is_admissible() -> None:
-    rt = fleet()
-    demand = planned(rt, facts(1000, max_output=19_000))
+    rt = fleet(classes=CAPPED_LONG)
+    demand = planned(rt, facts(20_000, max_output=4096))
     assert isinstance(demand, Demand)
     assert demand.tokens == 20_000
 
 
 def test_request_larger_than_the_inflight_budget_is_413_not_429() -> None:
-    rt = fleet()
-    reject = planned(rt, facts(1000, max_output=19_001))
+    rt = fleet(classes=CAPPED_LONG)
+    reject = planned(rt, facts(20_001))
     assert isinstance(reject, Reject)
     assert reject.status == 413
     assert reject.reason is Reason.EXCEEDS_BUDGET
@@ -200,14 +212,14 @@ def test_request_larger_than_the_inflight_budget_is_413_not_429() -> None:
     assert "retry-after" not in headers
     assert "ratelimit" not in headers
     assert headers["x-ratelimit-limit-tokens"] == "20000"
-    assert headers["x-fleet-class"] == "short"
+    assert headers["x-fleet-class"] == "long"
 
 
 def test_request_larger_than_the_burst_is_413() -> None:
-    rt = fleet()
-    fits = planned(rt, facts(90_000, max_output=60_000))
+    rt = fleet(classes=RATED_LONG)
+    fits = planned(rt, facts(150_000, max_output=60_000))
     assert isinstance(fits, Demand)
-    reject = planned(rt, facts(90_000, max_output=60_001))
+    reject = planned(rt, facts(150_001))
     assert isinstance(reject, Reject)
     assert reject.status == 413
     assert "burst" in reject.message

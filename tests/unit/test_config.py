@@ -159,8 +159,13 @@ ERRORS: list[tuple[Edit, str]] = [
     (_set(("listener",), {"port": 70000}), "listener.port: must be <= 65535"),
     (
         _set(("classes", 0, "budget"), {"tokens_per_second": 100, "burst_tokens": 10}),
-        "classes[0].budget.burst_tokens: must be >= max_input_tokens (2048) or the largest "
+        "classes[0].budget.burst_tokens: must be >= max_input_tokens - 1 (2047) or the largest "
         "requests of the class never fit",
+    ),
+    (
+        _set(("classes", 0, "budget"), {"max_inflight_tokens": 1000}),
+        "classes[0].budget.max_inflight_tokens: must be >= max_input_tokens - 1 (2047) or the "
+        "largest requests of the class never fit",
     ),
     (
         _set(("classes", 0, "budget"), {"max_concurrent": -1}),
@@ -224,6 +229,7 @@ ERROR_IDS = [
     "metrics-port-clashes-with-admin",
     "listener-port-out-of-range",
     "burst-below-the-class-token-bound",
+    "inflight-budget-below-the-class-token-bound",
     "negative-budget",
     "zero-first-message-chars",
     "failure-mode-not-open-or-closed",

@@ -130,13 +130,13 @@ async def test_release_rate_estimate_tracks_the_real_completion_rate() -> None:
 # -- the gate, embedded mode ----------------------------------------------------------------------
 
 
-def runtime(replicas: int = 1, **budget: Any) -> Runtime:
+def runtime(replicas: int = 1, long_budget: dict[str, Any] | None = None, **budget: Any) -> Runtime:
     doc = {
         "version": 1,
         "clusters": [{"name": "c1", "endpoints": ["127.0.0.1:8001"]}],
         "classes": [
-            {"name": "short", "max_input_tokens": 2048, "budget": budget},
-            {"name": "long"},
+            {"name": "short", "max_input_tokens": 1001, "budget": budget},
+            {"name": "long", "budget": long_budget or {}},
         ],
         "redis": {"replicas": replicas},
     }
@@ -166,7 +166,7 @@ async def test_gate_admits_rejects_and_gauges_return_to_zero() -> None:
     registry = CollectorRegistry()
     gate = build_gate(rt, registry, FakeClock(), Random(1))
     await gate.start()
-    f = request(100, max_output=50)
+    f = request(150, max_output=50)  # costs its 150 input tokens; the output cap does not count
     route = rt.policy.route(f)
     outcomes = [await gate.admit(f, route) for _ in range(4)]
     admitted = [o for o in outcomes if isinstance(o, Admitted)]
@@ -206,16 +206,19 @@ async def test_gate_skips_the_ledger_for_unbudgeted_classes_and_413s_oversized_r
     gate = build_gate(rt, registry, FakeClock(), Random(1))
     big = request(5000)  # the "long" class: no budget
     assert await gate.admit(big, rt.policy.route(big)) is None
-    huge = request(100, max_output=5000)
-    out = await gate.admit(huge, rt.policy.route(huge))
-    assert isinstance(out, Reject) and out.status == 413
     assert gate.held == 0
     assert (
         sample(registry, "fleet_admissions_total", request_class="long", result="unbudgeted") == 1
     )
-    assert (
-        sample(registry, "fleet_admissions_total", request_class="short", result="too_large") == 1
-    )
+
+    capped = runtime(max_inflight_tokens=1000, long_budget={"max_inflight_tokens": 3000})
+    registry = CollectorRegistry()
+    gate = build_gate(capped, registry, FakeClock(), Random(1))
+    huge = request(5000)  # the catch-all "long" class, over its whole 3000-token budget
+    out = await gate.admit(huge, capped.policy.route(huge))
+    assert isinstance(out, Reject) and out.status == 413
+    assert gate.held == 0
+    assert sample(registry, "fleet_admissions_total", request_class="long", result="too_large") == 1
 
 
 async def test_embedded_replicas_each_enforce_their_share() -> None:
