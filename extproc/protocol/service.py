@@ -40,6 +40,7 @@ from extproc.metrics import Metrics
 from extproc.protocol.admin import AdminApp, start_admin
 from extproc.protocol.endpoint_health import EndpointHealth
 from extproc.protocol.server import FleetProcessor, RuntimeHolder
+from extproc.render.envoy import BUFFER_HEADROOM
 from extproc.render.envoy_dynamic import write_cds
 
 log = logging.getLogger("extproc.serve")
@@ -70,7 +71,10 @@ def grpc_options(max_body_bytes: int, reuse_port: bool = False) -> list[tuple[st
     # The body arrives as one gRPC message: the default 4 MiB receive cap would fail long
     # contexts with a 500. grpcio turns SO_REUSEPORT on by default, which lets a stale processor
     # on the same port silently share traffic: off unless multi-process serving asks for it.
-    limit = max_body_bytes + (1 << 20)
+    # Envoy buffers up to max_body_bytes + BUFFER_HEADROOM; the gRPC message carrying that
+    # body is a little larger still (protobuf framing, headers), so give gRPC more room than
+    # Envoy: a body at Envoy's limit must reach the processor and get a JSON 413.
+    limit = max_body_bytes + BUFFER_HEADROOM + (64 << 10)
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
@@ -189,6 +193,13 @@ class Service:
             },
         )
 
+    async def _watch_redis(self) -> None:
+        """Keep readiness honest about the shared ledger without waiting for traffic."""
+        while not self._stop.is_set():
+            await self.gate.check_redis()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.opts.watch_interval_s)
+
     async def _watch(self) -> None:
         """Reload on SIGHUP, and when the file's bytes change (polled: no inotify dependency,
         and it also catches the symlink swap Kubernetes uses for ConfigMap updates)."""
@@ -241,7 +252,9 @@ class Service:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
-        watcher = asyncio.create_task(self._watch())
+        watchers = [asyncio.create_task(self._watch())]
+        if self.opts.redis_url or self.holder.current.config.redis.url:
+            watchers.append(asyncio.create_task(self._watch_redis()))
         log.info(
             "serving",
             extra={
@@ -262,9 +275,10 @@ class Service:
         # New streams are refused at once; open ones get the grace period, then are cancelled
         # (and release their budget in their finally blocks).
         await server.stop(self.opts.grace_s)
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for watcher in watchers:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         await self.gate.close()
         if self.endpoint_health is not None:
             await self.endpoint_health.close()

@@ -31,6 +31,14 @@ def split_bootstrap(
     static = [c for c in clusters if c["name"] == EXTPROC_CLUSTER]
     dynamic = [c for c in clusters if c["name"] != EXTPROC_CLUSTER]
     full["static_resources"]["clusters"] = static
+    # The static routes name clusters that arrive by CDS (all_clusters, the aggregates); tell
+    # Envoy not to insist they exist when the bootstrap loads.
+    for listener in full["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                route_config = network_filter["typed_config"].get("route_config")
+                if route_config is not None:
+                    route_config["validate_clusters"] = False
     full["dynamic_resources"] = {
         "cds_config": {
             "resource_api_version": "V3",

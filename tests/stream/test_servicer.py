@@ -396,13 +396,6 @@ async def test_a_body_over_max_body_bytes_is_a_json_413(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=grpc.aio.AioRpcError,
-    reason="bug in extproc/protocol/service.py: grpc_options allows max_body_bytes + 1 MiB, the "
-    "same headroom Envoy's buffer gets (render BUFFER_HEADROOM), so the protobuf framing of a "
-    "body at Envoy's limit overflows the gRPC receive cap: RESOURCE_EXHAUSTED, not a JSON 413",
-)
 async def test_a_body_as_large_as_envoy_buffers_gets_a_json_413(
     start: Callable[..., Awaitable[Processor]],
 ) -> None:
