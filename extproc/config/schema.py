@@ -62,6 +62,10 @@ class SessionConfig(Strict):
     header: HeaderName | None = "x-session-id"
     body_fields: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")]] = [
         "prompt_cache_key",
+        # Responses API: a stored conversation (a string id or {"id": ...}). Turns chained by
+        # previous_response_id carry only the new input, so the prefix key cannot follow them.
+        "conversation",
+        "conversation.id",
         "user",
         "metadata.user_id",
         "metadata.session_id",

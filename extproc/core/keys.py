@@ -58,6 +58,8 @@ class KeyRules:
     # Dotted paths into the body, e.g. ("metadata", "user_id").
     body_fields: tuple[tuple[str, ...], ...] = (
         ("prompt_cache_key",),
+        ("conversation",),
+        ("conversation", "id"),
         ("user",),
         ("metadata", "user_id"),
         ("metadata", "session_id"),

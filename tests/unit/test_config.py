@@ -53,7 +53,8 @@ def test_the_canonical_config_loads() -> None:
     assert runtime.cluster_names == ("c1", "c2", "c3")
     assert set(runtime.policy.placers) == {"short", "medium", "long"}
     assert runtime.key_rules.tier_header == "x-tenant-tier"
-    assert runtime.key_rules.body_fields[2] == ("metadata", "user_id")
+    assert ("metadata", "user_id") in runtime.key_rules.body_fields
+    assert runtime.key_rules.body_fields[0] == ("prompt_cache_key",)
     assert runtime.parse_limits.max_body_bytes == cfg.processor.max_body_bytes
     # The version identifies the file's bytes: same bytes, same version; any edit, a new one.
     assert load_runtime(CANONICAL).version == runtime.version

@@ -502,3 +502,18 @@ def test_part_key_order_does_not_change_the_key() -> None:
     assert key({"messages": [{"role": "user", "content": [a]}]}) == key(
         {"messages": [{"role": "user", "content": [b]}]}
     )
+
+
+def test_responses_conversation_keys_the_session_across_chained_turns() -> None:
+    """Turns chained by previous_response_id carry only their new input; the conversation id
+    is what they share, as a string or as {"id": ...}."""
+    rules = KeyRules()
+    headers = {"content-type": "application/json"}
+    keys = set()
+    for turn, conversation in enumerate(["conv_1", {"id": "conv_1"}]):
+        body = {"model": "m", "input": f"turn {turn}", "conversation": conversation}
+        key = derive_session_key(Api.OPENAI_RESPONSES, headers, body, rules)
+        assert not isinstance(key, BadRequest)
+        assert key.source is KeySource.BODY
+        keys.add(key.digest)
+    assert len(keys) == 1
