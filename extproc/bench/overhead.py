@@ -34,6 +34,8 @@ from extproc.harness.launch import LOOPBACK, Proc, envoy_binary, free_port, http
 from extproc.render.envoy import EnvoyOptions, Mode, ext_type, render_bootstrap
 
 SETUPS = ("envoy", "bare", "extproc")
+# `extproc-wN`: the real processor as N worker processes sharing the port (SO_REUSEPORT).
+WORKER_SETUP = "extproc-w"
 SIZES = {"1KB": 1024, "64KB": 64 * 1024, "4MiB": 4 * 1024 * 1024}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -159,6 +161,19 @@ def parse_wrk(out: str) -> tuple[int, float, float, float, int]:
     return requests, rps, p50, p99, errors
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU of a process and its children (the workers of `serve --workers N`)."""
+    total = cpu_seconds(pid)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        if int(fields[1]) == pid:  # field 4 of stat, the parent pid
+            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return total
+
+
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     # utime and stime are fields 14 and 15 of stat; after the ")" split they are 11 and 12.
@@ -246,7 +261,8 @@ class Bench:
                 "c1__c2",
             ]
             processor = Proc("bare", argv, self.workdir / "bare.log")
-        elif setup == "extproc":
+        elif setup == "extproc" or setup.startswith(WORKER_SETUP):
+            workers = int(setup.removeprefix(WORKER_SETUP)) if setup != "extproc" else 1
             argv = [
                 sys.executable,
                 "-m",
@@ -256,19 +272,36 @@ class Bench:
                 str(self.fleet_path),
                 "--log-level",
                 "warning",
+                "--workers",
+                str(workers),
             ]
-            processor = Proc("extproc", argv, self.workdir / "extproc.log")
+            processor = Proc(setup, argv, self.workdir / f"{setup}.log")
         if processor is not None:
             processor.start()
             self.procs.append(processor)
-            wait_until(lambda: "READY" in processor.log_text(), 30, f"{setup} processor")
+            expected = (
+                int(setup.removeprefix(WORKER_SETUP)) if setup.startswith(WORKER_SETUP) else 1
+            )
+
+            def ready(proc: Proc = processor, n: int = expected) -> bool:
+                return proc.log_text().count("READY ") >= n
+
+            wait_until(ready, 30, f"{setup} processor")
         mode: Mode = "round_robin" if setup == "envoy" else "extproc"
         config = render_bootstrap(self.runtime, EnvoyOptions(mode=mode, access_log_path=None))
         front = self._envoy(f"front-{setup}", config, self.front_admin)
         wait_until(lambda: _healthy(self.front_admin), 20, "front envoy sees upstream healthy")
         return front, processor
 
-    def run_wrk(self, setup: str, size: str, connections: int, processor: Proc | None) -> WrkResult:
+    def run_wrk(
+        self,
+        setup: str,
+        size: str,
+        connections: int,
+        processor: Proc | None,
+        duration: float | None = None,
+    ) -> WrkResult:
+        duration = self.duration if duration is None else duration
         body_path = self.workdir / f"body-{size}.json"
         if not body_path.exists():
             body_path.write_bytes(chat_body(SIZES[size]))
@@ -280,18 +313,18 @@ class Bench:
             self.wrk,
             f"-t{threads}",
             f"-c{connections}",
-            f"-d{self.duration:g}s",
+            f"-d{duration:g}s",
             "--latency",
             "-s",
             str(script),
             url,
         ]
         pid = processor.popen.pid if processor and processor.popen else None
-        cpu0 = cpu_seconds(pid) if pid else 0.0
+        cpu0 = tree_cpu_seconds(pid) if pid else 0.0
         out = subprocess.run(
-            argv, capture_output=True, text=True, check=True, timeout=self.duration + 60
+            argv, capture_output=True, text=True, check=True, timeout=duration + 60
         ).stdout
-        cpu1 = cpu_seconds(pid) if pid else 0.0
+        cpu1 = tree_cpu_seconds(pid) if pid else 0.0
         requests, rps, p50, p99, errors = parse_wrk(out)
         cpu = (cpu1 - cpu0) / requests * 1e6 if pid and requests else None
         return WrkResult(setup, size, connections, requests, rps, p50, p99, errors, cpu)
@@ -314,14 +347,21 @@ def _healthy(admin: int) -> bool:
         _s, body = http_get(admin, "/clusters")
     except OSError:
         return False
+    # Upstream clusters only: the bare processor has no gRPC health service (it is the floor).
     flags = [
-        line.rsplit("::", 1)[1] for line in body.decode().splitlines() if "::health_flags::" in line
+        line.rsplit("::", 1)[1]
+        for line in body.decode().splitlines()
+        if "::health_flags::" in line and not line.startswith("extproc::")
     ]
     return bool(flags) and all(f == "healthy" for f in flags)
 
 
 def run_bench(
-    duration: float, sizes: list[str], connections: list[int], warmup: float
+    duration: float,
+    sizes: list[str],
+    connections: list[int],
+    warmup: float,
+    workers: list[int] | None = None,
 ) -> list[WrkResult]:
     wrk = shutil.which("wrk")
     if not wrk:
@@ -331,15 +371,12 @@ def run_bench(
         bench = Bench(Path(tmp), duration, wrk)
         try:
             bench.start_upstream()
-            for setup in SETUPS:
+            setups = list(SETUPS) + [f"{WORKER_SETUP}{n}" for n in (workers or []) if n > 1]
+            for setup in setups:
                 front, processor = bench.start_setup(setup)
                 for size in sizes:
                     # Warm-up: connection pools, the processor's first streams, page cache.
-                    warm = Bench.run_wrk.__get__(bench)
-                    saved = bench.duration
-                    bench.duration = warmup
-                    warm(setup, size, 4, processor)
-                    bench.duration = saved
+                    bench.run_wrk(setup, size, 4, processor, duration=warmup)
                     for conns in connections:
                         result = bench.run_wrk(setup, size, conns, processor)
                         results.append(result)
@@ -391,6 +428,30 @@ def summarize(results: list[WrkResult]) -> list[str]:
             cpu_ratio,
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    multi = sorted({r.setup for r in results if r.setup.startswith(WORKER_SETUP)})
+    if multi:
+        lines += [
+            "",
+            "| body | conns | rps: extproc (1 worker) / "
+            + " / ".join(multi)
+            + " | ratio to 1 worker | p50 ms | CPU us/req |",
+            "|---|---|---|---|---|---|",
+        ]
+        for (setup, size, conns), one in by.items():
+            if setup != "extproc":
+                continue
+            rows = [one] + [by[(m, size, conns)] for m in multi if (m, size, conns) in by]
+            lines.append(
+                f"| {size} | {conns} | "
+                + " / ".join(f"{r.rps:.0f}" for r in rows)
+                + " | "
+                + " / ".join(f"{r.rps / one.rps:.2f}" for r in rows)
+                + " | "
+                + " / ".join(f"{r.p50_ms:.3f}" for r in rows)
+                + " | "
+                + " / ".join(f"{r.proc_cpu_us_per_req or 0:.0f}" for r in rows)
+                + " |"
+            )
     return lines
 
 
@@ -399,6 +460,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--sizes", default="1KB,64KB,4MiB")
     parser.add_argument("--connections", default="1,16")
+    parser.add_argument(
+        "--workers", default="1,2", help="processor worker counts to compare (1 = the extproc row)"
+    )
     parser.add_argument("--json-out", default="out/bench/overhead.json")
 
 
@@ -409,7 +473,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"unknown sizes {unknown}; choose from {list(SIZES)}", file=sys.stderr)
         return 2
     conns = [int(c) for c in args.connections.split(",")]
-    results = run_bench(args.duration, sizes, conns, args.warmup)
+    workers = [int(w) for w in args.workers.split(",") if w]
+    results = run_bench(args.duration, sizes, conns, args.warmup, workers)
     print("\n".join(summarize(results)))
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
