@@ -1,0 +1,258 @@
+"""``extproc simulate``: the routing policies on one simulated fleet, side by side.
+
+Examples::
+
+    extproc simulate --trace mooncake.jsonl --clusters 64 --sessions 250000 --json out.json
+    extproc simulate --trace mooncake.jsonl --clusters 256 --sessions 1000000 --png out.png
+    extproc simulate --workload synthetic --clusters 8 --burst 0.2T,0.1T,0.5/c,150000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import TextIO
+
+from extproc.core.fleet import Budget
+from extproc.sim.engine import run_all
+from extproc.sim.model import FleetShape
+from extproc.sim.policies import POLICIES
+from extproc.sim.report import format_table, plot, summarize, write_json
+from extproc.sim.scenario import SimOptions, build, load_base
+
+
+def parse_budget(text: str) -> Budget:
+    """``concurrent=1,inflight=400000,rate=50000,burst=100000`` (any subset; "none" = no cap)."""
+    if text.strip() in ("", "none"):
+        return Budget()
+    fields = {"concurrent": 0, "inflight": 0, "rate": 0.0, "burst": 0}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in fields:
+            raise argparse.ArgumentTypeError(
+                f"budget items are concurrent=, inflight=, rate=, burst=; got {part!r}"
+            )
+        try:
+            fields[key] = float(value) if key == "rate" else int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"budget {key}: not a number: {value!r}") from None
+        if fields[key] < 0:
+            raise argparse.ArgumentTypeError(f"budget {key} must be >= 0")
+    return Budget(
+        max_inflight_tokens=int(fields["inflight"]),
+        max_concurrent=int(fields["concurrent"]),
+        tokens_per_second=float(fields["rate"]),
+        burst_tokens=int(fields["burst"]),
+    )
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not sep or seconds <= 0:
+            raise argparse.ArgumentTypeError(f"SLO items are CLASS=SECONDS (> 0), got {part!r}")
+        out[name.strip()] = seconds
+    return out
+
+
+def parse_policies(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown policies {unknown}; known: {', '.join(POLICIES)}"
+        )
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace")
+    source.add_argument("--workload", choices=["synthetic"], help="built-in synthetic workload")
+    parser.add_argument(
+        "--synthetic-duration", type=float, default=120.0, help="synthetic workload length (s)"
+    )
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        default=None,
+        help="trace sessions to simulate: the base is copied (new ids, shifted times) to reach it",
+    )
+
+    fleet = parser.add_argument_group("fleet")
+    fleet.add_argument("--clusters", type=int, default=16)
+    fleet.add_argument("--spares", type=int, default=1, help="clusters that 'add' events bring")
+    fleet.add_argument("--homogeneous", action="store_true", help="one hardware profile")
+    fleet.add_argument("--weights", choices=["equal", "capacity"], default="equal")
+    fleet.add_argument(
+        "--utilisation",
+        type=float,
+        default=0.5,
+        help="size prefill so the ideal-cache prefill work is this share of capacity",
+    )
+    fleet.add_argument(
+        "--kv-share",
+        type=float,
+        default=0.5,
+        help="per-cluster KV = this x distinct prefix tokens of the run / clusters",
+    )
+    fleet.add_argument("--kv-tokens", type=int, default=None, help="absolute per-cluster KV")
+    fleet.add_argument("--prefill-tps", type=float, default=None, help="absolute base prefill")
+    fleet.add_argument("--decode-tps", type=float, default=50.0)
+    fleet.add_argument("--lanes", type=int, default=8, help="prefill instances per cluster")
+    fleet.add_argument("--max-concurrency", type=int, default=512)
+
+    script = parser.add_argument_group("events and bursts")
+    script.add_argument(
+        "--event",
+        action="append",
+        metavar="KIND:CLUSTER@TIME",
+        help="fail/recover/add/remove, TIME in s or e.g. 0.4T; default: one of each",
+    )
+    script.add_argument("--no-events", action="store_true")
+    script.add_argument(
+        "--burst",
+        action="append",
+        default=[],
+        metavar="START,DUR,RATE,TOKENS",
+        help="long-context burst, e.g. 0.2T,0.1T,0.5/c,150000 (/c: per cluster)",
+    )
+    script.add_argument(
+        "--window",
+        action="append",
+        default=[],
+        metavar="START,END",
+        help="also report TTFT for requests arriving in this window (bursts are windows)",
+    )
+
+    admission = parser.add_argument_group("classes and admission")
+    admission.add_argument("--short-below", type=int, default=2000)
+    admission.add_argument("--long-from", type=int, default=100_000)
+    admission.add_argument("--medium-budget", type=parse_budget, default=Budget())
+    admission.add_argument("--long-budget", type=parse_budget, default=Budget(max_concurrent=1))
+    admission.add_argument(
+        "--slo",
+        type=parse_slo,
+        default={"short": 2.0, "medium": 15.0, "long": 120.0},
+        help="TTFT targets, e.g. short=2,medium=15,long=120",
+    )
+    admission.add_argument("--max-retries", type=int, default=3, help="429 retries per request")
+
+    run = parser.add_argument_group("run and output")
+    run.add_argument("--policies", type=parse_policies, default=tuple(POLICIES))
+    run.add_argument(
+        "--spill-wait", type=float, default=2.0, help="queue wait (s) that counts as saturated"
+    )
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes"
+    )
+    run.add_argument("--json", dest="json_out", metavar="FILE")
+    run.add_argument("--png", dest="png_out", metavar="FILE")
+    run.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+
+
+class ProgressBar:
+    """A one-line bar on stderr, redrawn at most twice a second."""
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total = max(1, total)
+        self.stream = stream
+        self.started = time.monotonic()
+        self.drawn = 0.0
+
+    def __call__(self, done: Mapping[str, int]) -> None:
+        now = time.monotonic()
+        count = sum(done.values())
+        if now - self.drawn < 0.5 and count < self.total:
+            return
+        self.drawn = now
+        share = min(1.0, count / self.total)
+        elapsed = now - self.started
+        eta = f"{elapsed / share - elapsed:5.0f}s left" if share > 0 else "   ?s left"
+        bar = "#" * int(share * 30)
+        self.stream.write(
+            f"\rsimulate [{bar:<30}] {share * 100:5.1f}%  {count:,}/{self.total:,} requests  {eta}"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    shape = FleetShape(
+        clusters=args.clusters,
+        spares=args.spares,
+        heterogeneous=not args.homogeneous,
+        utilisation=args.utilisation,
+        kv_share=args.kv_share,
+        kv_tokens=args.kv_tokens,
+        prefill_tps=args.prefill_tps,
+        decode_tps=args.decode_tps,
+        lanes=args.lanes,
+        max_concurrency=args.max_concurrency,
+        weights=args.weights,
+        seed=args.seed,
+    )
+    events: tuple[str, ...] | None = None
+    if args.no_events:
+        events = ()
+    elif args.event:
+        events = tuple(args.event)
+    options = SimOptions(
+        trace=args.trace,
+        synthetic_duration_s=args.synthetic_duration,
+        sessions=args.sessions,
+        shape=shape,
+        events=events,
+        bursts=tuple(args.burst),
+        windows=tuple(args.window),
+        short_below=args.short_below,
+        long_from=args.long_from,
+        medium_budget=args.medium_budget,
+        long_budget=args.long_budget,
+        slo_s=args.slo,
+        policies=args.policies,
+        spill_wait_s=args.spill_wait,
+        max_retries=args.max_retries,
+        seed=args.seed,
+    )
+    try:
+        prepared = build(options, load_base(options))
+    except (OSError, ValueError) as exc:
+        print(f"extproc simulate: {exc}", file=sys.stderr)
+        return 2
+    prepared_at = time.monotonic()
+    total = len(prepared.scenario.traffic) * len(options.policies)
+    bar = None if args.quiet else ProgressBar(total, sys.stderr)
+    runs = run_all(prepared.scenario, prepared.config, options.policies, args.jobs, bar)
+    if bar is not None:
+        bar.close()
+    simulated_at = time.monotonic()
+    summary = summarize(prepared.scenario, runs, options.slo_s, prepared.windows, options.seed)
+    print(format_table(summary))
+    if args.json_out:
+        write_json(summary, args.json_out)
+    if args.png_out:
+        plot(summary, args.png_out)
+    finished = time.monotonic()
+    # Timings go to the terminal only: the JSON is a pure function of the options and seed.
+    print(
+        f"\ntime: prepare {prepared_at - started:.1f} s, simulate "
+        f"{simulated_at - prepared_at:.1f} s ({len(options.policies)} policies, "
+        f"{args.jobs} jobs), report {finished - simulated_at:.1f} s, total "
+        f"{finished - started:.1f} s"
+    )
+    return 0

@@ -1,0 +1,412 @@
+"""The discrete-event loop: requests, 429 retries, budget releases and fleet events in time order.
+
+Every policy runs over the same prepared :class:`Scenario` (same requests, same fleet, same
+events), each with its own seeded RNG, so results do not depend on which policies ran or in
+which process.
+
+Admission is the gateway's own code path, not a copy: :func:`extproc.core.admission.plan`
+turns (facts, route) into a Demand or a 413, :class:`extproc.ledger.memory.MemoryLedger`
+checks and reserves atomically on the simulated clock, and
+:func:`extproc.core.admission.verdict` turns a refusal into a 429 whose ``retry-after`` the
+simulated client honours (up to ``max_retries`` times). Tickets are released when the request
+finishes (its decode ends), as the ext_proc stream would end then.
+
+Events are exact, not time-stepped: each request's whole timeline is fixed when it is admitted
+(``model.ClusterState.serve``), so there is nothing to advance between arrivals.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from random import Random
+
+import numpy as np
+import numpy.typing as npt
+
+from extproc.core.admission import Reject, plan, verdict
+from extproc.core.api import Api
+from extproc.core.decide import Route
+from extproc.core.facts import RequestFacts
+from extproc.core.fleet import RequestClass
+from extproc.core.keys import KeySource, hash_key
+from extproc.core.placement import Placement
+from extproc.ledger.memory import MemoryLedger
+from extproc.sim.events import Event, Kind, validate
+from extproc.sim.model import ClusterSpec, ClusterState
+from extproc.sim.policies import FleetView, make_policy
+from extproc.sim.traffic import Traffic
+from extproc.sim.vector import EpochTables
+
+# Progress is reported every this many requests: often enough for a smooth bar, rarely
+# enough to cost nothing.
+PROGRESS_EVERY = 1 << 16
+# Final outcomes of a request.
+SERVED, GAVE_UP_429, TOO_LARGE_413, NO_CLUSTER = 0, 429, 413, 503
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """Everything a run needs, shared read-only by every policy."""
+
+    traffic: Traffic
+    clusters: tuple[ClusterSpec, ...]  # base clusters first, then spares
+    n_base: int
+    events: tuple[Event, ...]  # sorted by time
+    tables: EpochTables
+    epoch_after: tuple[int, ...]  # per event: the membership epoch in force after it
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.clusters)
+
+    def remapped(self) -> list[dict[str, object]]:
+        """Per add/remove: the share of all sessions whose primary moved."""
+        out: list[dict[str, object]] = []
+        for ev, epoch in zip(self.events, self.epoch_after, strict=True):
+            if ev.kind in (Kind.ADD, Kind.REMOVE):
+                before_members = self.tables.members[epoch - 1]
+                after_members = self.tables.members[epoch]
+                n_before, n_after = int(before_members.sum()), int(after_members.sum())
+                weights = np.array([c.weight for c in self.clusters])
+                # The share rendezvous should move: the weight of the cluster that came or went.
+                moved_cluster = self.names.index(ev.cluster)
+                denom = weights[after_members].sum() if ev.kind is Kind.ADD else None
+                if denom is None:
+                    denom = weights[before_members].sum()
+                out.append(
+                    {
+                        "event": str(ev),
+                        "clusters_before": n_before,
+                        "clusters_after": n_after,
+                        "moved_share": self.tables.moved(epoch - 1, epoch),
+                        "expected_share": float(weights[moved_cluster] / denom),
+                        "one_over_n": 1.0 / (n_after if ev.kind is Kind.ADD else n_before),
+                    }
+                )
+        return out
+
+
+def memberships(
+    names: Sequence[str], n_base: int, events: Sequence[Event]
+) -> tuple[list[npt.NDArray[np.bool_]], tuple[int, ...]]:
+    """Membership per epoch (a new epoch at each add/remove) and the epoch after each event."""
+    current = np.zeros(len(names), dtype=bool)
+    current[:n_base] = True
+    epochs = [current.copy()]
+    after: list[int] = []
+    index = {n: i for i, n in enumerate(names)}
+    for ev in events:
+        if ev.kind in (Kind.ADD, Kind.REMOVE):
+            current[index[ev.cluster]] = ev.kind is Kind.ADD
+            epochs.append(current.copy())
+        after.append(len(epochs) - 1)
+    return epochs, tuple(after)
+
+
+def prepare(
+    traffic: Traffic,
+    clusters: tuple[ClusterSpec, ...],
+    n_base: int,
+    events: Sequence[Event],
+    depth: int = 4,
+) -> Scenario:
+    names = [c.name for c in clusters]
+    ordered = tuple(sorted(events, key=lambda e: e.time_s))
+    validate(ordered, names[:n_base], names[n_base:])
+    members, after = memberships(names, n_base, ordered)
+    tables = EpochTables(traffic.points, names, [c.weight for c in clusters], members, depth)
+    return Scenario(traffic, clusters, n_base, ordered, tables, after)
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    classes: tuple[RequestClass, ...]  # budgets apply only to the bulkhead policies
+    max_retries: int = 3
+    spill_wait_s: float = 2.0
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class FailureRecord:
+    cluster: int
+    failed_at: float
+    recovered_at: float = math.inf
+    survivors: list[int] = field(default_factory=list)
+    # Re-prefill tokens during the outage by the cluster that did them, and by session.
+    spread: dict[int, int] = field(default_factory=dict)
+    by_session: dict[int, int] = field(default_factory=dict)
+    failback_tokens: int = 0
+    lost_inflight: int = 0
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    """Raw per-request outcomes of one policy; ``report`` turns them into figures."""
+
+    policy: str
+    ttft: npt.NDArray[np.float64]  # NaN where not served; measured from the first attempt
+    cached: npt.NDArray[np.int64]  # -1 where not served
+    served_on: npt.NDArray[np.int16]  # -1 where not served
+    rejections: npt.NDArray[np.int16]  # 429s this request received
+    status: npt.NDArray[np.int16]
+    failures: list[FailureRecord]
+    evictions: list[int]
+    spilled_sessions: int
+    leaked_tickets: int
+
+
+def run_policy(
+    scenario: Scenario,
+    config: SimConfig,
+    policy_name: str,
+    progress: Callable[[int], None] | None = None,
+) -> PolicyRun:
+    traffic = scenario.traffic
+    specs = scenario.clusters
+    names = scenario.names
+    block = traffic.base.block_tokens
+    policy = make_policy(policy_name, config.spill_wait_s)
+    rng = Random(f"sim:{config.seed}:{policy_name}")
+    retry_rng = Random(f"retry:{config.seed}:{policy_name}")
+
+    n_clusters = len(specs)
+    states = [ClusterState(spec, block) for spec in specs]
+    member = [i < scenario.n_base for i in range(n_clusters)]
+    alive = list(member)
+    table = scenario.tables.tables[0]
+    view = FleetView(
+        states=states,
+        alive=alive,
+        alive_ix=[i for i in range(n_clusters) if alive[i]],
+        table=table,
+        primary=table[:, 0].tolist(),
+        secondary=table[:, 1].tolist() if table.shape[1] > 1 else [-1] * len(table),
+        rng=rng,
+        member=member,
+    )
+
+    clock = [0.0]
+    ledger = MemoryLedger(lambda: clock[0])
+    classes = config.classes
+    bulkheads = policy.bulkheads and any(c.budget.enforced for c in classes)
+    # Placement is done above from the session's point; the facts' own key is never read by
+    # plan(), so one fixed key serves every request.
+    session_key = hash_key(KeySource.HEADER, b"fleet-simulator")
+
+    times = traffic.times
+    templates = traffic.templates
+    offsets = traffic.offsets
+    sessions = traffic.sessions
+    ideal = traffic.ideal_cached
+    t_keys, t_in, t_out, t_class = (
+        traffic.t_keys,
+        traffic.t_input,
+        traffic.t_output,
+        traffic.t_class,
+    )
+    n = len(times)
+
+    ttft: list[float] = [math.nan] * n
+    cached_out: list[int] = [-1] * n
+    served_on: list[int] = [-1] * n
+    rejections: list[int] = [0] * n
+    status: list[int] = [SERVED] * n
+
+    seen = bytearray(traffic.n_sessions)
+    last_on: list[int] = [-1] * traffic.n_sessions
+    last_t: list[float] = [-math.inf] * traffic.n_sessions
+    crash_at: list[float] = [-math.inf] * n_clusters
+    crash_ix: list[int] = [-1] * n_clusters
+    failures: list[FailureRecord] = []
+    displaced: dict[int, int] = {}
+    track = any(e.kind is Kind.FAIL for e in scenario.events)
+
+    events = scenario.events
+    ev_times = [e.time_s for e in events]
+    ev_i = 0
+    n_ev = len(events)
+    index = {name: i for i, name in enumerate(names)}
+
+    def apply(ev_no: int, now: float) -> None:
+        ev = events[ev_no]
+        c = index[ev.cluster]
+        if ev.kind is Kind.FAIL:
+            record = FailureRecord(c, now, lost_inflight=states[c].inflight(now))
+            states[c].crash()
+            alive[c] = False
+            record.survivors = [i for i in range(n_clusters) if alive[i]]
+            crash_at[c] = now
+            crash_ix[c] = len(failures)
+            failures.append(record)
+        elif ev.kind is Kind.RECOVER:
+            states[c].restart(now)
+            alive[c] = True
+            if crash_ix[c] >= 0:
+                failures[crash_ix[c]].recovered_at = now
+        else:
+            if ev.kind is Kind.ADD:
+                states[c] = ClusterState(specs[c], block, now)
+            member[c] = alive[c] = ev.kind is Kind.ADD
+            tab = scenario.tables.tables[scenario.epoch_after[ev_no]]
+            view.table = tab
+            view.primary = tab[:, 0].tolist()
+            view.secondary = tab[:, 1].tolist() if tab.shape[1] > 1 else [-1] * len(tab)
+        view.alive_ix = [i for i in range(n_clusters) if alive[i]]
+        policy.refresh(view)
+
+    releases: list[tuple[float, int, object]] = []
+    retries: list[tuple[float, int, int, int]] = []
+    seq = 0
+    ai = 0
+    done_count = 0
+    route = policy.route
+    spill = policy.spill
+    while True:
+        if retries and (ai >= n or retries[0][0] < times[ai]):
+            now, _, i, attempt = heapq.heappop(retries)
+        elif ai < n:
+            i = ai
+            now = times[ai]
+            attempt = 0
+            ai += 1
+            done_count += 1
+            if progress is not None and not done_count % PROGRESS_EVERY:
+                progress(done_count)
+        else:
+            break
+        while releases and releases[0][0] <= now:
+            rel_t, _, ticket = heapq.heappop(releases)
+            clock[0] = rel_t
+            ledger.release_now(ticket)  # type: ignore[arg-type]
+        clock[0] = now
+        while ev_i < n_ev and ev_times[ev_i] <= now:
+            apply(ev_i, ev_times[ev_i])
+            ev_i += 1
+
+        s = sessions[i]
+        tp = templates[i]
+        new = not seen[s]
+        cands = route(view, s, new, now)
+        if not cands:
+            status[i] = NO_CLUSTER
+            continue
+        serve_c = cands[0][0]
+        ticket = None
+        if bulkheads:
+            klass = classes[t_class[tp]]
+            if klass.budget.enforced:
+                facts = RequestFacts(
+                    Api.OPENAI_CHAT, "sim", session_key, t_in[tp], t_out[tp], None, True, 0
+                )
+                refusal: Reject | None = None
+                chosen = -1
+                for sc, charge in cands if spill(new) else cands[:1]:
+                    demand = plan(facts, Route(Placement(names[charge], None), klass))
+                    if isinstance(demand, Reject):
+                        refusal = demand
+                        break
+                    if demand is None:
+                        chosen = sc
+                        break
+                    answer = ledger.reserve_now(demand)
+                    if answer.granted:
+                        chosen, ticket = sc, answer.ticket
+                        break
+                    if refusal is None:
+                        # Not granted, so verdict() answers with the 429 and its retry hint.
+                        outcome = verdict(demand, answer, retry_rng)
+                        if isinstance(outcome, Reject):
+                            refusal = outcome
+                if chosen < 0:
+                    assert refusal is not None
+                    if refusal.status == 429 and attempt < config.max_retries:
+                        rejections[i] += 1
+                        seq += 1
+                        wait = float(refusal.retry_after_s or 1)
+                        heapq.heappush(retries, (now + wait, seq, i, attempt + 1))
+                    else:
+                        if refusal.status == 429:
+                            rejections[i] += 1
+                        status[i] = GAVE_UP_429 if refusal.status == 429 else TOO_LARGE_413
+                    continue
+                serve_c = chosen
+        if new:
+            seen[s] = 1
+            if spill(new):
+                policy.placed(view, s, serve_c)
+        keys = t_keys[tp]
+        off = offsets[i]
+        if off:
+            keys = tuple([k + off for k in keys])
+        got, first, done = states[serve_c].serve(keys, t_in[tp], t_out[tp], now)
+        if ticket is not None:
+            seq += 1
+            heapq.heappush(releases, (done, seq, ticket))
+        ttft[i] = first - times[i]
+        cached_out[i] = got
+        served_on[i] = serve_c
+        if track:
+            j = displaced.get(s)
+            if j is None:
+                was = last_on[s]
+                if was >= 0 and crash_at[was] > last_t[s]:
+                    j = displaced[s] = crash_ix[was]
+            if j is not None:
+                record = failures[j]
+                refill = max(0, ideal[i] - got)
+                if now < record.recovered_at:
+                    record.spread[serve_c] = record.spread.get(serve_c, 0) + refill
+                    record.by_session[s] = record.by_session.get(s, 0) + refill
+                else:
+                    record.failback_tokens += refill
+                    del displaced[s]
+            last_on[s] = serve_c
+            last_t[s] = now
+
+    # Releases still pending at the end are requests that finish after the last arrival.
+    for rel_t, _, ticket in sorted(releases, key=lambda r: r[0]):
+        clock[0] = rel_t
+        ledger.release_now(ticket)  # type: ignore[arg-type]
+    if progress is not None:
+        progress(done_count)
+    spilled = getattr(policy, "spilled", 0)
+    return PolicyRun(
+        policy=policy_name,
+        ttft=np.asarray(ttft, dtype=np.float64),
+        cached=np.asarray(cached_out, dtype=np.int64),
+        served_on=np.asarray(served_on, dtype=np.int16),
+        rejections=np.asarray(rejections, dtype=np.int16),
+        status=np.asarray(status, dtype=np.int16),
+        failures=failures,
+        evictions=[s.evictions for s in states],
+        spilled_sessions=int(spilled),
+        leaked_tickets=ledger.held(),
+    )
+
+
+def run_all(
+    scenario: Scenario,
+    config: SimConfig,
+    policies: Sequence[str],
+    jobs: int = 1,
+    progress: Callable[[Mapping[str, int]], None] | None = None,
+) -> dict[str, PolicyRun]:
+    """Run each policy; with ``jobs > 1`` in forked worker processes (one policy each)."""
+    if jobs <= 1 or len(policies) <= 1:
+        done: dict[str, int] = dict.fromkeys(policies, 0)
+        out: dict[str, PolicyRun] = {}
+        for name in policies:
+
+            def tick(count: int, name: str = name) -> None:
+                done[name] = count
+                if progress is not None:
+                    progress(done)
+
+            out[name] = run_policy(scenario, config, name, tick)
+        return out
+    from extproc.sim.parallel import run_forked
+
+    return run_forked(scenario, config, policies, jobs, progress)

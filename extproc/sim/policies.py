@@ -1,0 +1,201 @@
+"""Routing policies compared by the simulator, registered by name in one table (``POLICIES``).
+
+A policy answers, per request, an ordered list of ``(serve, charge)`` cluster candidates:
+``serve`` runs the request; ``charge`` is the cluster whose class budget admission charges —
+what the gateway calls the primary. They differ on failover: the gateway does not know a
+cluster is down (Envoy's health checks move the request to the secondary), so it still charges
+the hash primary. The engine tries candidates in order only when ``spill`` says so; otherwise
+the first one is the answer.
+
+The hash policies read the core's rendezvous placement for the current membership epoch
+(``vector.EpochTables``: column 0 = ``Rendezvous.top2().primary``, column 1 = secondary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from random import Random
+from types import MappingProxyType
+
+import numpy as np
+import numpy.typing as npt
+
+from extproc.sim.model import ClusterState
+
+Candidates = list[tuple[int, int]]
+
+
+@dataclass(slots=True)
+class FleetView:
+    """What policies may read: the engine owns and updates it."""
+
+    states: list[ClusterState]
+    alive: list[bool]  # in the fleet and not failed
+    alive_ix: list[int]
+    table: npt.NDArray[np.int32]  # (sessions, depth): the current epoch's preference order
+    primary: list[int]
+    secondary: list[int]
+    rng: Random
+    member: list[bool] = field(default_factory=list)
+
+
+class Policy:
+    """Base: subclasses set the class attributes and implement ``route``."""
+
+    name = ""
+    description = ""
+    bulkheads = False
+    uses_hash = False
+
+    def __init__(self, spill_wait_s: float = 2.0) -> None:
+        self.spill_wait_s = spill_wait_s
+
+    def route(self, view: FleetView, session: int, new: bool, now: float) -> Candidates:
+        raise NotImplementedError
+
+    def spill(self, new: bool) -> bool:
+        """Whether the engine should try further candidates when one refuses admission."""
+        return False
+
+    def placed(self, view: FleetView, session: int, cluster: int) -> None:
+        """Told where a spilled new session finally went."""
+
+    def refresh(self, view: FleetView) -> None:
+        """Called after every fleet change (failure, recovery, membership)."""
+
+
+def _random_alive(view: FleetView, charge: int) -> Candidates:
+    # Envoy's fallback route (an aggregate of every cluster) lands anywhere healthy.
+    if not view.alive_ix:
+        return []
+    return [(view.alive_ix[view.rng.randrange(len(view.alive_ix))], charge)]
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+    description = "Envoy ROUND_ROBIN over healthy clusters"
+
+    def __init__(self, spill_wait_s: float = 2.0) -> None:
+        super().__init__(spill_wait_s)
+        self._next = 0
+
+    def route(self, view: FleetView, session: int, new: bool, now: float) -> Candidates:
+        alive = view.alive_ix
+        if not alive:
+            return []
+        self._next = (self._next + 1) % len(alive)
+        c = alive[self._next]
+        return [(c, c)]
+
+
+class LeastLoaded(Policy):
+    name = "least-loaded"
+    description = "Envoy LEAST_REQUEST: fewer active requests of two random healthy clusters"
+
+    def route(self, view: FleetView, session: int, new: bool, now: float) -> Candidates:
+        alive = view.alive_ix
+        if not alive:
+            return []
+        # Power of two choices, Envoy's default choice_count: as good as a full scan in
+        # balance, and what a stock proxy does.
+        a = alive[view.rng.randrange(len(alive))]
+        b = alive[view.rng.randrange(len(alive))]
+        states = view.states
+        c = b if states[b].inflight(now) < states[a].inflight(now) else a
+        return [(c, c)]
+
+
+class PrimaryOnly(Policy):
+    name = "hash-primary"
+    description = "rendezvous primary only; a dead primary falls back to any healthy cluster"
+    uses_hash = True
+
+    def route(self, view: FleetView, session: int, new: bool, now: float) -> Candidates:
+        p = view.primary[session]
+        if view.alive[p]:
+            return [(p, p)]
+        return _random_alive(view, p)
+
+
+class PrimarySecondary(Policy):
+    name = "hash-2"
+    description = "rendezvous primary + pre-assigned secondary (Envoy aggregate cluster)"
+    uses_hash = True
+
+    def route(self, view: FleetView, session: int, new: bool, now: float) -> Candidates:
+        p = view.primary[session]
+        alive = view.alive
+        if alive[p]:
+            return [(p, p)]
+        s = view.secondary[session]
+        if s >= 0 and alive[s]:
+            return [(s, p)]
+        for c in view.table[session].tolist()[2:]:
+            if c >= 0 and alive[c]:
+                return [(c, p)]
+        return _random_alive(view, p)
+
+
+class Bulkheads(PrimarySecondary):
+    name = "hash-2+bulkheads"
+    description = "hash-2 with per-class budgets per cluster (429 + retry-after)"
+    bulkheads = True
+
+
+class Spill(Bulkheads):
+    name = "hash-2+bulkheads+spill"
+    description = (
+        "bulkheads; a new session whose primary is saturated (queue wait over the spill "
+        "threshold, or its class budget full) starts on the next candidate in hash order"
+    )
+
+    def __init__(self, spill_wait_s: float = 2.0) -> None:
+        super().__init__(spill_wait_s)
+        # Sessions placed off their primary: the gateway would keep this table in its ledger.
+        self._moved: dict[int, int] = {}
+
+    def spill(self, new: bool) -> bool:
+        return new
+
+    def route(self, view: FleetView, session: int, new: bool, now: float) -> Candidates:
+        if not new:
+            home = self._moved.get(session)
+            if home is not None and view.alive[home]:
+                return [(home, home)]
+            return super().route(view, session, new, now)
+        alive, states = view.alive, view.states
+        ranked = [c for c in view.table[session].tolist() if c >= 0 and alive[c]]
+        if not ranked:
+            return super().route(view, session, new, now)
+        ok = [c for c in ranked if states[c].queue_wait(now) <= self.spill_wait_s]
+        busy = sorted((c for c in ranked if c not in ok), key=lambda c: states[c].queue_wait(now))
+        return [(c, c) for c in ok + busy]
+
+    def placed(self, view: FleetView, session: int, cluster: int) -> None:
+        if cluster != view.primary[session]:
+            self._moved[session] = cluster
+
+    def refresh(self, view: FleetView) -> None:
+        # A removed cluster's spilled sessions go back to hash placement.
+        self._moved = {s: c for s, c in self._moved.items() if view.member[c]}
+
+    @property
+    def spilled(self) -> int:
+        return len(self._moved)
+
+
+# name -> policy class. The whole policy surface, in one visible, read-only table.
+POLICIES: Mapping[str, type[Policy]] = MappingProxyType(
+    {
+        cls.name: cls
+        for cls in (RoundRobin, LeastLoaded, PrimaryOnly, PrimarySecondary, Bulkheads, Spill)
+    }
+)
+
+
+def make_policy(name: str, spill_wait_s: float) -> Policy:
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    return cls(spill_wait_s)

@@ -1,0 +1,160 @@
+"""From options to a prepared run: traffic, fleet, classes and budgets, events, report windows.
+
+``SimOptions`` holds every knob (the CLI fills it; tests build it directly), ``build`` does the
+preparation shared by all policies and ``simulate`` runs it to a summary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from extproc.core.fleet import Budget, RequestClass
+from extproc.harness.trace import read_trace
+from extproc.harness.workload import WorkloadConfig, generate_workload
+from extproc.sim.engine import PolicyRun, Scenario, SimConfig, prepare, run_all
+from extproc.sim.events import Event, default_events
+from extproc.sim.model import FleetShape, build_fleet
+from extproc.sim.policies import POLICIES
+from extproc.sim.report import summarize
+from extproc.sim.traffic import (
+    BaseTraffic,
+    BurstSpec,
+    base_from_requests,
+    base_from_trace,
+    copies_for,
+    expand,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SimOptions:
+    trace: str | None = None  # a Mooncake-format file; None = the synthetic workload
+    synthetic_duration_s: float = 120.0
+    sessions: int | None = None  # trace sessions wanted; None = the base once
+    shape: FleetShape = field(default_factory=lambda: FleetShape(16, spares=1))
+    # Events as text (see events.parse_event); None = events.default_events.
+    events: tuple[str, ...] | None = None
+    # Bursts as START,DURATION,RATE,TOKENS; START/DURATION may end in T (trace periods),
+    # RATE in /c (per base cluster).
+    bursts: tuple[str, ...] = ()
+    windows: tuple[str, ...] = ()  # extra report windows, A,B (T allowed)
+    short_below: int = 2000
+    long_from: int = 100_000
+    medium_budget: Budget = field(default_factory=Budget)
+    long_budget: Budget = field(default_factory=lambda: Budget(max_concurrent=1))
+    slo_s: Mapping[str, float] = field(
+        default_factory=lambda: {"short": 2.0, "medium": 15.0, "long": 120.0}
+    )
+    policies: tuple[str, ...] = tuple(POLICIES)
+    spill_wait_s: float = 2.0
+    max_retries: int = 3
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    scenario: Scenario
+    config: SimConfig
+    windows: tuple[tuple[float, float], ...]
+
+
+def _time(text: str, period: float) -> float:
+    text = text.strip()
+    return float(text[:-1]) * period if text.endswith("T") else float(text)
+
+
+def parse_burst(text: str, period: float, clusters: int) -> BurstSpec:
+    parts = text.split(",")
+    if len(parts) != 4:
+        raise ValueError(f"burst must be START,DURATION,RATE,TOKENS, got {text!r}")
+    start, duration, rate, tokens = parts
+    try:
+        per_cluster = rate.strip().endswith("/c")
+        rate_v = float(rate.strip().removesuffix("/c")) * (clusters if per_cluster else 1)
+        return BurstSpec(_time(start, period), _time(duration, period), rate_v, int(tokens))
+    except ValueError as exc:
+        raise ValueError(f"burst {text!r}: {exc}") from None
+
+
+def parse_window(text: str, period: float) -> tuple[float, float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise ValueError(f"window must be START,END, got {text!r}")
+    lo, hi = (_time(p, period) for p in parts)
+    if not hi > lo:
+        raise ValueError(f"window {text!r}: END must be after START")
+    return lo, hi
+
+
+def classes_of(options: SimOptions) -> tuple[RequestClass, ...]:
+    if not 0 < options.short_below < options.long_from:
+        raise ValueError("need 0 < short_below < long_from")
+    return (
+        RequestClass("short", options.short_below),
+        RequestClass("medium", options.long_from, budget=options.medium_budget),
+        RequestClass("long", None, budget=options.long_budget),
+    )
+
+
+def load_base(options: SimOptions) -> BaseTraffic:
+    if options.trace is not None:
+        trace = read_trace(options.trace)
+        if not trace.requests:
+            raise ValueError(f"{options.trace}: no usable requests")
+        return base_from_trace(trace)
+    config = WorkloadConfig(seed=options.seed, duration_s=options.synthetic_duration_s)
+    return base_from_requests(generate_workload(config), f"synthetic(seed={options.seed})")
+
+
+def build(options: SimOptions, base: BaseTraffic | None = None) -> Prepared:
+    for name in options.policies:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    base = base if base is not None else load_base(options)
+    period = base.period
+    shape = options.shape
+    classes = classes_of(options)
+    bursts = [parse_burst(b, period, shape.clusters) for b in options.bursts]
+    copies = copies_for(base, options.sessions) if options.sessions else 1
+    traffic = expand(base, copies, classes, bursts, options.seed)
+
+    # Offered prefill work if every cluster cached perfectly (trace requests only: a burst is
+    # overload by design), per second of the trace period.
+    tmpl = np.asarray(traffic.templates, dtype=np.int64)
+    trace_req = tmpl < len(base)
+    inputs = np.asarray(traffic.t_input, dtype=np.int64)[tmpl]
+    ideal = np.asarray(traffic.ideal_cached, dtype=np.int64)
+    prefill_per_s = float((inputs - ideal)[trace_req].sum()) / period
+    distinct_tokens = copies * base.n_keys * base.block_tokens
+    clusters = build_fleet(shape, prefill_per_s, distinct_tokens)
+
+    if options.events is None:
+        if shape.spares < 1:
+            raise ValueError("the default events add a cluster: give at least one spare")
+        events: tuple[Event, ...] = default_events(shape.clusters, period)
+    else:
+        from extproc.sim.events import parse_event
+
+        events = tuple(parse_event(e, period) for e in options.events)
+    scenario = prepare(traffic, clusters, shape.clusters, events)
+    config = SimConfig(classes, options.max_retries, options.spill_wait_s, options.seed)
+    windows = tuple(b.window for b in bursts) + tuple(
+        parse_window(w, period) for w in options.windows
+    )
+    return Prepared(scenario, config, windows)
+
+
+def simulate(
+    options: SimOptions,
+    jobs: int = 1,
+    progress: Callable[[Mapping[str, int]], None] | None = None,
+    base: BaseTraffic | None = None,
+) -> tuple[dict[str, Any], dict[str, PolicyRun], Prepared]:
+    prepared = build(options, base)
+    runs = run_all(prepared.scenario, prepared.config, options.policies, jobs, progress)
+    summary = summarize(prepared.scenario, runs, options.slo_s, prepared.windows, options.seed)
+    return summary, runs, prepared
