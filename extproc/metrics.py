@@ -33,7 +33,11 @@ class Metrics:
         )
         self.routes = Counter(
             "fleet_route_decisions",
-            "Routing decisions by kind (primary, spilled, fallback).",
+            "Routing decisions by kind: primary (the hash primary), spilled (a new session sent"
+            " off a saturated or pressured primary), migrated (an existing session moved off an"
+            " unhealthy or memory-critical cluster), hot_spread (a hot prefix key spread over"
+            " its top candidates), override (following an earlier spill or migration),"
+            " no_endpoint.",
             ["kind"],
             registry=registry,
         )
@@ -69,6 +73,52 @@ class Metrics:
             "fleet_config_info",
             "The fleet config version being served (value is always 1).",
             ["version"],
+            registry=registry,
+        )
+        # -- load-aware affinity (affinity.enabled) --------------------------------------------
+        self.migrations = Counter(
+            "fleet_migrations",
+            "Existing sessions moved off the cluster holding their KV cache: each costs one"
+            " re-prefill on the new cluster. By reason (unhealthy, memory_pressure).",
+            ["reason"],
+            registry=registry,
+        )
+        self.load_reports = Counter(
+            "fleet_load_reports",
+            "Load reports read from inference response headers, by format (orca, fleet) or"
+            " 'none' when a routed response carried no readable report.",
+            ["source"],
+            registry=registry,
+        )
+        self.failovers_seen = Counter(
+            "fleet_failovers_observed",
+            "Responses served by another cluster than the chosen primary (Envoy failed over):"
+            " the primary is treated as unhealthy for affinity.signal_max_age_s.",
+            ["cluster"],
+            registry=registry,
+        )
+        self.cluster_kv = Gauge(
+            "fleet_cluster_kv_usage",
+            "KV-cache utilisation (0..1) in the cluster's last load report.",
+            ["cluster"],
+            registry=registry,
+        )
+        self.cluster_queue = Gauge(
+            "fleet_cluster_queue_depth",
+            "Requests waiting for prefill in the cluster's last load report.",
+            ["cluster"],
+            registry=registry,
+        )
+        self.cluster_inflight = Gauge(
+            "fleet_cluster_inflight",
+            "Requests this processor routed to the cluster that have not finished yet.",
+            ["cluster"],
+            registry=registry,
+        )
+        self.affinity_store_errors = Counter(
+            "fleet_affinity_store_errors",
+            "Shared (Redis) affinity store calls that failed; the replica's memory answered.",
+            ["op"],
             registry=registry,
         )
         self.config_reloads = Counter(

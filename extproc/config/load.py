@@ -150,6 +150,7 @@ def cross_check(cfg: FleetConfig) -> list[str]:
             problems.append(
                 f"session.{field}: {FLEET_HEADER_PREFIX}* headers are reserved for the processor"
             )
+    problems.extend(_affinity_problems(cfg))
     ports = {
         "listener.port": cfg.listener.port,
         "listener.admin_port": cfg.listener.admin_port,
@@ -161,6 +162,24 @@ def cross_check(cfg: FleetConfig) -> list[str]:
         if port and port in seen_ports:
             problems.append(f"{path}: port {port} is also {seen_ports[port]}")
         seen_ports.setdefault(port, path)
+    return problems
+
+
+def _affinity_problems(cfg: FleetConfig) -> list[str]:
+    aff = cfg.affinity
+    problems: list[str] = []
+    if aff.kv_migrate_threshold < aff.kv_pressure_threshold:
+        # Sessions would leave a cluster that still accepts new ones: migrations for nothing.
+        problems.append(
+            f"affinity.kv_migrate_threshold: must be >= kv_pressure_threshold "
+            f"({aff.kv_pressure_threshold:g})"
+        )
+    if aff.override_ttl_s < aff.new_session_ttl_s:
+        # A session could outlive its override while still counting as existing: its next turn
+        # would go back to the hash primary, away from the cache the override pointed at.
+        problems.append(
+            f"affinity.override_ttl_s: must be >= new_session_ttl_s ({aff.new_session_ttl_s:g})"
+        )
     return problems
 
 

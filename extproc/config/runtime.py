@@ -6,10 +6,11 @@ import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from extproc.config.schema import FleetConfig
+from extproc.config.schema import AffinityConfig, FleetConfig
+from extproc.core.affinity import AffinityParams
 from extproc.core.decide import Policy
 from extproc.core.facts import ParseLimits
 from extproc.core.fleet import Budget, Cluster, RequestClass
@@ -26,6 +27,7 @@ class Runtime:
     key_rules: KeyRules
     parse_limits: ParseLimits
     endpoints: Mapping[str, tuple[str, ...]]
+    affinity: AffinityParams = field(default_factory=AffinityParams)
 
     @property
     def cluster_names(self) -> tuple[str, ...]:
@@ -75,6 +77,24 @@ def compile_runtime(cfg: FleetConfig, raw: bytes | None = None) -> Runtime:
         ),
         parse_limits=ParseLimits(cfg.processor.max_body_bytes, cfg.prefix.bytes_per_token),
         endpoints=MappingProxyType({c.name: c.endpoints for c in clusters}),
+        affinity=affinity_params(cfg.affinity),
+    )
+
+
+def affinity_params(cfg: AffinityConfig) -> AffinityParams:
+    return AffinityParams(
+        enabled=cfg.enabled,
+        saturation_factor=cfg.saturation_factor,
+        min_inflight=cfg.min_inflight,
+        kv_pressure_threshold=cfg.kv_pressure_threshold,
+        kv_migrate_threshold=cfg.kv_migrate_threshold,
+        new_session_ttl_s=cfg.new_session_ttl_s,
+        override_ttl_s=cfg.override_ttl_s,
+        signal_max_age_s=cfg.signal_max_age_s,
+        hot_key_share=cfg.hot_key_share,
+        hot_key_spread=cfg.hot_key_spread,
+        hot_key_min_requests=cfg.hot_key_min_requests,
+        hot_key_half_life_s=cfg.hot_key_half_life_s,
     )
 
 

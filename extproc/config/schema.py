@@ -118,6 +118,42 @@ class PricesConfig(Strict):
     output: float = 15.00
 
 
+class AffinityConfig(Strict):
+    """Load- and pressure-aware affinity (extproc.core.affinity). Off by default: pure
+    consistent hashing then stays the whole policy and costs nothing extra. On, Envoy also
+    sends the response headers to the processor (the clusters' load reports ride on them):
+    one more gRPC exchange per request."""
+
+    enabled: bool = False
+    # A cluster is saturated when its requests in flight exceed this factor x the mean over
+    # the session's candidates, and at least min_inflight (an idle fleet has no "load").
+    saturation_factor: float = Field(default=1.25, gt=1)
+    min_inflight: int = Field(default=4, ge=1)
+    # KV use at which a cluster takes no new sessions (its existing ones stay) ...
+    kv_pressure_threshold: float = Field(default=0.85, gt=0, le=1)
+    # ... and at which its existing sessions migrate away (accepting one re-prefill each).
+    kv_migrate_threshold: float = Field(default=0.97, gt=0, le=1)
+    # A session not seen for this long is new (it may be placed off its hash primary).
+    new_session_ttl_s: float = Field(default=600.0, gt=0)
+    # How long a spilled / migrated session is remembered after its last refresh.
+    override_ttl_s: float = Field(default=1800.0, gt=0)
+    # Load reports older than this are ignored (a cluster that went quiet).
+    signal_max_age_s: float = Field(default=10.0, gt=0)
+    # A prefix key carrying more than this share of its hash primary's load is spread over
+    # its top hot_key_spread candidates (fewer when its class has fewer clusters), once it
+    # has hot_key_min_requests recent requests.
+    hot_key_share: float = Field(default=0.5, gt=0, le=1)
+    hot_key_spread: int = Field(default=3, ge=2)
+    hot_key_min_requests: float = Field(default=20.0, ge=1)
+    hot_key_half_life_s: float = Field(default=10.0, gt=0)
+    # Response header naming the cluster that served (the simulated cluster sends it). With
+    # it, a load report is credited to the right cluster and a failover is seen; without it
+    # reports are credited to the cluster the processor chose.
+    served_by_header: HeaderName | None = "x-served-by"
+    # Sessions remembered in memory per replica (seen marks and overrides); the oldest go first.
+    max_sessions: int = Field(default=1_000_000, ge=1)
+
+
 def _default_classes() -> list[ClassConfig]:
     return [
         ClassConfig(name="short", max_input_tokens=2048),
@@ -136,3 +172,4 @@ class FleetConfig(Strict):
     classes: list[ClassConfig] = Field(default_factory=_default_classes, min_length=1)
     redis: RedisConfig = RedisConfig()
     prices: PricesConfig = PricesConfig()
+    affinity: AffinityConfig = AffinityConfig()

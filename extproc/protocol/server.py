@@ -8,6 +8,7 @@ everything held for the request is released in ``finally``.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,14 +19,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from extproc.config.runtime import Runtime
 from extproc.core.admission import Admitted, Reject
+from extproc.core.affinity import Decision, place
 from extproc.core.api import Api, BadRequest, api_for_path
 from extproc.core.decide import Route
 from extproc.core.endpoints import pick_endpoints
 from extproc.core.facts import RequestFacts, parse_request
+from extproc.core.load import LOAD_HEADERS, parse_load_headers
 from extproc.ledger.gate import AdmissionGate
 from extproc.metrics import Metrics
 from extproc.protocol import responses
 from extproc.protocol.endpoint_health import EndpointHealth
+from extproc.protocol.fleet_state import FleetState, RedisSessions
 from extproc.protocol.state import StreamState
 
 log = logging.getLogger("extproc.server")
@@ -56,6 +60,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         gate: AdmissionGate | None = None,
         clock: Callable[[], float] = time.perf_counter,
         endpoint_health: EndpointHealth | None = None,
+        fleet_state: FleetState | None = None,
     ) -> None:
         self._endpoint_health = endpoint_health
         self._runtime = runtime
@@ -63,6 +68,15 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._gate = gate
         self._active = 0
         self._clock = clock
+        # Load-aware affinity state (used only while runtime.affinity.enabled). Its Redis store
+        # is attached on first use, so a reload that turns affinity on needs no restart.
+        self._fleet = fleet_state or FleetState(
+            metrics, runtime.current.config.affinity.max_sessions
+        )
+        self._shared_checked = fleet_state is not None
+        # Per-request salt for the policy's hot-key tie-break: a counter spreads sequential
+        # requests of one hot key evenly and is reproducible (no unseeded randomness).
+        self._salt = itertools.count()
         # The whole phase contract, in one table. Phases we never ask Envoy for (see the
         # processing_mode we render) still get a pass-through answer so a mis-configured
         # filter degrades to "no decision" rather than a broken stream.
@@ -70,7 +84,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             "request_headers": self._on_request_headers,
             "request_body": self._on_request_body,
             "request_trailers": self._pass(responses.CONTINUE_TRAILERS),
-            "response_headers": self._pass(responses.CONTINUE_RESPONSE_HEADERS),
+            # Asked for only when affinity is on: the clusters' load reports ride on them.
+            "response_headers": self._on_response_headers,
             "response_body": self._pass(responses.CONTINUE_RESPONSE_BODY),
             "response_trailers": self._pass(responses.CONTINUE_RESPONSE_TRAILERS),
         }
@@ -106,7 +121,18 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """ext_proc streams open right now."""
         return self._active
 
+    @property
+    def fleet_state(self) -> FleetState:
+        return self._fleet
+
+    async def aclose(self) -> None:
+        """Close the shared affinity store's connections (the serve loop calls this on exit)."""
+        await self._fleet.close()
+
     async def _release(self, state: StreamState) -> None:
+        routed, state.routed_to = state.routed_to, None
+        if routed is not None:
+            self._fleet.finished(routed)
         ticket, state.ticket = state.ticket, None
         if ticket is not None and self._gate is not None:
             # Shielded: the stream may be ending by cancellation (client or upstream abort), and
@@ -169,6 +195,11 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if isinstance(facts, BadRequest):
             return self._answer_bad(facts, api.value)
         route = runtime.policy.route(facts)
+        kind = "primary"
+        if runtime.affinity.enabled:
+            decision = await self._place(runtime, facts, route, started)
+            route = Route(decision.placement, route.request_class)
+            kind = decision.kind
         if self._gate is not None:
             outcome = await self._gate.admit(facts, route)
             if isinstance(outcome, Reject):
@@ -180,7 +211,10 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if isinstance(outcome, Admitted):
                 state.ticket = outcome.ticket
         self._metrics.requests.labels(facts.api.value, route.request_class.name, "routed").inc()
-        self._metrics.routes.labels("primary").inc()
+        self._metrics.routes.labels(kind).inc()
+        if runtime.affinity.enabled:
+            state.routed_to = route.placement.primary
+            self._fleet.routed(state.routed_to)
         if runtime.config.processor.mode == "endpoint_picker":
             answer = self._pick(runtime, route, facts, api)
         else:
@@ -188,10 +222,68 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._metrics.decision_seconds.observe(self._clock() - started)
         return answer
 
+    def _ready_clusters(self, runtime: Runtime) -> frozenset[str] | None:
+        if self._endpoint_health is None:
+            return None
+        ready = self._endpoint_health.ready
+        return frozenset(c for c, eps in runtime.endpoints.items() if any(e in ready for e in eps))
+
+    def _attach_shared_store(self, runtime: Runtime) -> None:
+        self._shared_checked = True
+        redis = runtime.config.redis
+        if redis.url:
+            self._fleet.shared = RedisSessions.from_url(
+                redis.url, redis.key_prefix, redis.timeout_ms / 1000
+            )
+
+    async def _place(
+        self, runtime: Runtime, facts: RequestFacts, route: Route, now: float
+    ) -> Decision:
+        """Feed the pure affinity policy: candidates, load snapshot, session memory, now."""
+        if not self._shared_checked:
+            self._attach_shared_store(runtime)
+        params = runtime.affinity
+        ranked = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
+        view = await self._fleet.view(facts, ranked[0], now, params, next(self._salt))
+        snapshot = self._fleet.load.snapshot(ranked, now, self._ready_clusters(runtime))
+        decision = place(facts, ranked, snapshot, view, now, params)
+        if decision.migration_reason is not None:
+            # The session leaves the cluster holding its cache: one re-prefill on the new one.
+            self._metrics.migrations.labels(decision.migration_reason).inc()
+        await self._fleet.remember(facts, decision, now)
+        return decision
+
+    async def _on_response_headers(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
+        chosen = state.routed_to
+        if chosen is None or state.reported:
+            return responses.CONTINUE_RESPONSE_HEADERS
+        state.reported = True
+        runtime = self._runtime.current
+        params = runtime.affinity
+        served_header = runtime.config.affinity.served_by_header
+        wanted = (*LOAD_HEADERS, served_header) if served_header else LOAD_HEADERS
+        found: dict[str, str] = {}
+        # Only the few headers we read are decoded; a response may carry dozens.
+        for h in request.response_headers.headers.headers:
+            if h.key in wanted:
+                found[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        served_by = found.get(served_header) if served_header else None
+        if served_by not in runtime.cluster_names:
+            served_by = None  # not one of ours (or absent): credit the cluster we chose
+        report = parse_load_headers(found)
+        self._fleet.reported(chosen, served_by, report, self._clock(), params)
+        return responses.CONTINUE_RESPONSE_HEADERS
+
     def _pick(
         self, runtime: Runtime, route: Route, facts: RequestFacts, api: Api
     ) -> ep.ProcessingResponse:
-        ranked = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
+        hashed = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
+        # The decided (primary, secondary) first — pure hashing's own top two unless affinity
+        # moved the session — then the rest in hash order for when neither has a ready endpoint.
+        head = [route.placement.primary]
+        if route.placement.secondary is not None:
+            head.append(route.placement.secondary)
+        ranked = head + [c for c in hashed if c not in head]
         ready = (
             self._endpoint_health.ready
             if self._endpoint_health

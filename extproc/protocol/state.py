@@ -22,3 +22,7 @@ class StreamState:
     decided: bool = False
     # Budget reservation held for the life of the exchange; released when the stream ends.
     ticket: Any = None
+    # Load-aware affinity only: the cluster this exchange was routed to (counted in flight
+    # there until the stream ends) and whether its response's load report was read already.
+    routed_to: str | None = None
+    reported: bool = False

@@ -256,7 +256,10 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
                 # BUFFERED: the whole body in one message (BUFFERED_PARTIAL truncates JSON).
                 "request_body_mode": "BUFFERED",
                 # Each extra phase costs a gRPC exchange (70-90 µs): ask only for what we use.
-                "response_header_mode": "SKIP",
+                # Load-aware affinity reads the clusters' load reports (ORCA
+                # endpoint-load-metrics / x-fleet-load) from the response headers, so it pays
+                # for one more exchange per request; pure hashing does not need them.
+                "response_header_mode": ("SEND" if runtime.config.affinity.enabled else "SKIP"),
                 "response_body_mode": "NONE",
                 "request_trailer_mode": "SKIP",
                 "response_trailer_mode": "SKIP",

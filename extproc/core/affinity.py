@@ -1,0 +1,289 @@
+"""Load- and pressure-aware affinity: where a request goes when pure hashing is not enough.
+
+``place(facts, ranked, snapshot, session, now, params) -> Decision`` is a pure function. The
+shell feeds it the session's candidates in hash order (``Rendezvous.ranked``), a snapshot of the
+fleet's load, what it remembers about the session (seen recently? an override?) and ``now``;
+it writes back the override the decision asks for. Nothing here reads a clock or a store.
+
+Cluster states, judged from the snapshot at ``now``:
+
+- *unhealthy*: the shell has evidence it fails (Envoy failed over from it, or no endpoint of it
+  is ready);
+- *pressured*: its fresh load report says KV use >= ``kv_pressure_threshold`` (0.85): admitting a
+  new conversation there would evict the caches of the ones it already holds;
+- *critical*: KV use >= ``kv_migrate_threshold`` (0.97): the engine is evicting or preempting
+  anyway, so the caches a session would stay for are already going;
+- *saturated*: more requests in flight than ``saturation_factor`` x the mean over the session's
+  candidates (and at least ``min_inflight``, so one request on an idle fleet is not "load");
+- *has room*: healthy, not pressured, not saturated.
+
+A report older than ``signal_max_age_s`` counts as no report: a cluster that went quiet is
+judged by in-flight counts alone, so a pressure reading cannot exile it forever.
+
+The rules, first match wins:
+
+1. **Hot key** (prefix keys only): a key with more than ``hot_key_share`` of its hash primary's
+   load is spread over its top ``hot_key_spread`` candidates, to the least loaded one that is
+   healthy and not pressured (ties broken by a per-request salt). Nothing is remembered. The
+   trade-off: each of the k clusters prefills the shared opening once and holds it (k x its
+   KV), and a follow-up request of one user may land beside, not on, its own earlier turn. In
+   return no cluster carries a viral prompt alone. Explicit session ids (header, body field)
+   are never spread: such a key is one conversation whose every turn extends the last one's
+   prefix, so spreading it would cost a re-prefill on almost every turn.
+2. **Override**: the session was placed off its hash primary before; it follows that choice
+   (its cache is there) unless that cluster is now unhealthy or critical, in which case it
+   migrates (rule 3's target search). An override in use is refreshed (sliding TTL, see
+   ``_refreshed``), so an active session keeps its cache and an idle one drifts back to the
+   hash once its override expires.
+3. **Existing session** (seen within ``new_session_ttl_s``): stays on its hash primary while the
+   primary is merely busy (saturated or pressured; the class budget answers with 429 and retry
+   hints), and migrates only when the primary is unhealthy or critical: to the first candidate
+   in hash order with room (else the first healthy one that is not pressured). That costs one
+   re-prefill, which the shell counts; the target is remembered so later turns follow.
+4. **New session**: the hash primary when it has room; otherwise the first candidate in hash
+   order with room ("spilled", remembered). With no room anywhere, the primary if it is usable
+   (healthy, not pressured), else the first usable candidate; a fleet that is full everywhere
+   leaves the budget to say no.
+
+The secondary (Envoy's failover target) is always the first other candidate in hash order that
+is healthy and not pressured, or simply the next one when none is: with a quiet fleet that is
+exactly pure hashing's secondary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from extproc.core.facts import RequestFacts
+from extproc.core.keys import KeySource
+from extproc.core.load import FleetSnapshot
+from extproc.core.placement import Placement
+
+Kind = Literal["primary", "spilled", "migrated", "hot_spread", "override"]
+KINDS: tuple[Kind, ...] = ("primary", "spilled", "migrated", "hot_spread", "override")
+MigrationReason = Literal["unhealthy", "memory_pressure"]
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityParams:
+    """Compiled from fleet.yaml's ``affinity:`` section (validated there)."""
+
+    enabled: bool = False
+    saturation_factor: float = 1.25
+    min_inflight: int = 4
+    kv_pressure_threshold: float = 0.85
+    kv_migrate_threshold: float = 0.97
+    new_session_ttl_s: float = 600.0
+    override_ttl_s: float = 1800.0
+    signal_max_age_s: float = 10.0
+    hot_key_share: float = 0.5
+    hot_key_spread: int = 3
+    hot_key_min_requests: float = 20.0
+    hot_key_half_life_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Override:
+    """A remembered placement: the session runs on ``cluster`` until ``expires_at``."""
+
+    cluster: str
+    expires_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    """What the shell remembers about the request's session, looked up before deciding."""
+
+    seen: bool  # a request of this session was seen within new_session_ttl_s
+    override: Override | None = None
+    # The key's share of its hash primary's load (extproc.core.hotkeys), 0 when not measured.
+    key_share: float = 0.0
+    # Any per-request number (e.g. a hash of the request id): breaks ties among hot-key targets
+    # so that sequential requests of a hot key spread too.
+    salt: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    placement: Placement
+    kind: Kind
+    # The shell stores this (session -> cluster until expiry) when not None.
+    override_to_write: Override | None = None
+    # Set when kind == "migrated": why the session left the cluster that held its cache.
+    migrated_from: str | None = None
+    migration_reason: MigrationReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Judge:
+    """Cluster states at one instant for one candidate list."""
+
+    snapshot: FleetSnapshot
+    now: float
+    params: AffinityParams
+    mean_load: float
+
+    def load(self, name: str) -> int:
+        return self.snapshot.get(name).load(self.now, self.params.signal_max_age_s)
+
+    def healthy(self, name: str) -> bool:
+        return self.snapshot.get(name).healthy
+
+    def _kv(self, name: str) -> float | None:
+        return self.snapshot.get(name).kv_pressure(self.now, self.params.signal_max_age_s)
+
+    def pressured(self, name: str) -> bool:
+        kv = self._kv(name)
+        return kv is not None and kv >= self.params.kv_pressure_threshold
+
+    def critical(self, name: str) -> bool:
+        kv = self._kv(name)
+        return kv is not None and kv >= self.params.kv_migrate_threshold
+
+    def saturated(self, name: str) -> bool:
+        load = self.load(name)
+        p = self.params
+        return load >= p.min_inflight and load > p.saturation_factor * self.mean_load
+
+    def usable(self, name: str) -> bool:
+        return self.healthy(name) and not self.pressured(name)
+
+    def has_room(self, name: str) -> bool:
+        return self.usable(name) and not self.saturated(name)
+
+    def must_leave(self, name: str) -> MigrationReason | None:
+        if not self.healthy(name):
+            return "unhealthy"
+        if self.critical(name):
+            return "memory_pressure"
+        return None
+
+
+def _first(
+    ranked: Sequence[str], ok: Callable[[str], bool], exclude: str | None = None
+) -> str | None:
+    for name in ranked:
+        if name != exclude and ok(name):
+            return name
+    return None
+
+
+def _placement(ranked: Sequence[str], chosen: str, judge: _Judge) -> Placement:
+    secondary = _first(ranked, judge.usable, chosen) or _first(ranked, lambda _n: True, chosen)
+    return Placement(chosen, secondary)
+
+
+def _judge(
+    ranked: Sequence[str], snapshot: FleetSnapshot, now: float, params: AffinityParams
+) -> _Judge:
+    partial = _Judge(snapshot, now, params, 0.0)
+    healthy = [n for n in ranked if partial.healthy(n)] or list(ranked)
+    mean = sum(partial.load(n) for n in healthy) / len(healthy)
+    return _Judge(snapshot, now, params, mean)
+
+
+def _hot_target(ranked: Sequence[str], session: SessionView, judge: _Judge) -> str | None:
+    top = [n for n in ranked[: judge.params.hot_key_spread] if judge.usable(n)]
+    if len(top) < 2:
+        return None  # nothing to spread over: the ordinary rules decide
+    width = len(top)
+    rotation = session.salt % width
+    return min(
+        enumerate(top), key=lambda item: (judge.load(item[1]), (item[0] - rotation) % width)
+    )[1]
+
+
+def _refreshed(override: Override, now: float, params: AffinityParams) -> Override | None:
+    """A later expiry for an override in use, or None when it still has long enough to run.
+
+    It must outlive the session's "seen" mark: an override that lapsed while the session
+    still counted as existing would send its next turn back to the hash primary, away from its
+    cache. So it is rewritten once less than ``new_session_ttl_s`` remains (config guarantees
+    ``override_ttl_s >= new_session_ttl_s``), and not before half its TTL has passed: writing
+    on every request would cost a store write (a Redis round trip) per request.
+    """
+    threshold = max(params.new_session_ttl_s, params.override_ttl_s / 2)
+    if override.expires_at - now < threshold:
+        return Override(override.cluster, now + params.override_ttl_s)
+    return None
+
+
+def _migrate(
+    ranked: Sequence[str],
+    current: str,
+    reason: MigrationReason,
+    judge: _Judge,
+    now: float,
+) -> Decision | None:
+    target = _first(ranked, judge.has_room, current) or _first(ranked, judge.usable, current)
+    if target is None:
+        return None  # nowhere better: stay, and let Envoy's failover and the budget cope
+    return Decision(
+        _placement(ranked, target, judge),
+        "migrated",
+        Override(target, now + judge.params.override_ttl_s),
+        migrated_from=current,
+        migration_reason=reason,
+    )
+
+
+def place(
+    facts: RequestFacts,
+    ranked: Sequence[str],
+    snapshot: FleetSnapshot,
+    session: SessionView,
+    now: float,
+    params: AffinityParams,
+) -> Decision:
+    """Where this request runs; ``ranked`` is its candidates in hash order (never empty)."""
+    primary = ranked[0]
+    judge = _judge(ranked, snapshot, now, params)
+
+    if (
+        facts.session.source is KeySource.PREFIX
+        and params.hot_key_spread >= 2
+        and session.key_share >= params.hot_key_share
+    ):
+        target = _hot_target(ranked, session, judge)
+        if target is not None:
+            return Decision(_placement(ranked, target, judge), "hot_spread")
+
+    override = session.override
+    if override is not None and override.expires_at > now and override.cluster in ranked:
+        reason = judge.must_leave(override.cluster)
+        if reason is None:
+            return Decision(
+                _placement(ranked, override.cluster, judge),
+                "override",
+                _refreshed(override, now, params),
+            )
+        moved = _migrate(ranked, override.cluster, reason, judge, now)
+        if moved is not None:
+            return moved
+        return Decision(_placement(ranked, override.cluster, judge), "override")
+
+    if session.seen:
+        reason = judge.must_leave(primary)
+        if reason is not None:
+            moved = _migrate(ranked, primary, reason, judge, now)
+            if moved is not None:
+                return moved
+        return Decision(_placement(ranked, primary, judge), "primary")
+
+    if judge.has_room(primary):
+        return Decision(_placement(ranked, primary, judge), "primary")
+    target = (
+        _first(ranked, judge.has_room)
+        or (primary if judge.usable(primary) else None)
+        or _first(ranked, judge.usable)
+        or primary
+    )
+    if target == primary:
+        return Decision(_placement(ranked, primary, judge), "primary")
+    return Decision(
+        _placement(ranked, target, judge),
+        "spilled",
+        Override(target, now + params.override_ttl_s),
+    )

@@ -1,0 +1,327 @@
+"""The shell's side of load-aware affinity: what the pure policy (extproc.core.affinity) is fed.
+
+Kept out of core/ because it is state over time and I/O:
+
+- :class:`LoadTable` — per cluster: this processor's own requests in flight (acquired when a
+  request is routed, released when its ext_proc stream ends), the last load report the cluster
+  returned (with the instant it arrived), and "failing until" after Envoy was seen failing over
+  from it. ``snapshot(now)`` turns it into the core's immutable :class:`FleetSnapshot`.
+- :class:`SessionMemory` — per session key (a 16-byte digest, never the raw id): when it was
+  last seen (new vs existing session) and its override (spilled / migrated placement) with an
+  expiry. LRU-bounded by ``affinity.max_sessions``; expired entries are dropped as they reach
+  the old end.
+- :class:`RedisSessions` — the same two facts in Redis, shared by every replica, when
+  ``redis.url`` is configured: ``P:aff:<digest>:seen`` (PX = new_session_ttl) and
+  ``P:aff:<digest>:ov`` (cluster name, PX = override_ttl). One pipelined round trip per request
+  (GET + PTTL of the override, SET ... GET of the seen mark) and one SET when an override is
+  written. Calls are bounded by ``redis.timeout_ms``; on failure the replica's own memory
+  answers (fail-open: a lost override costs at most one cache miss, never a request) and Redis
+  is left alone for ``PROBE_INTERVAL_S``. Memory is always written too, so it is warm then.
+- :class:`FleetState` — the facade the servicer calls, plus the hot-key estimator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from extproc.core.affinity import AffinityParams, Decision, Override, SessionView
+from extproc.core.facts import RequestFacts
+from extproc.core.hotkeys import HotKeys
+from extproc.core.keys import KeySource
+from extproc.core.load import ClusterLoad, FleetSnapshot, LoadReport
+from extproc.metrics import Metrics
+
+log = logging.getLogger("extproc.affinity")
+
+# After a Redis failure, how long requests use memory only before Redis is tried again: an
+# outage then costs one timeout per interval, not one per request.
+PROBE_INTERVAL_S = 5.0
+
+
+class LoadTable:
+    def __init__(self) -> None:
+        self._inflight: dict[str, int] = {}
+        self._reports: dict[str, tuple[LoadReport, float]] = {}
+        self._failing_until: dict[str, float] = {}
+
+    def acquire(self, cluster: str) -> int:
+        count = self._inflight.get(cluster, 0) + 1
+        self._inflight[cluster] = count
+        return count
+
+    def release(self, cluster: str) -> int:
+        count = max(0, self._inflight.get(cluster, 0) - 1)
+        self._inflight[cluster] = count
+        return count
+
+    def inflight(self, cluster: str) -> int:
+        return self._inflight.get(cluster, 0)
+
+    def record(self, cluster: str, report: LoadReport, now: float) -> None:
+        self._reports[cluster] = (report, now)
+
+    def mark_failing(self, cluster: str, until: float) -> None:
+        self._failing_until[cluster] = max(until, self._failing_until.get(cluster, until))
+
+    def cluster(self, name: str, now: float, ready: Collection[str] | None = None) -> ClusterLoad:
+        failing = self._failing_until.get(name)
+        healthy = (failing is None or now >= failing) and (ready is None or name in ready)
+        found = self._reports.get(name)
+        if found is None:
+            return ClusterLoad(inflight=self._inflight.get(name, 0), healthy=healthy)
+        report, at = found
+        return ClusterLoad(
+            inflight=self._inflight.get(name, 0),
+            kv=report.kv,
+            queue=report.queue,
+            reported_inflight=report.inflight,
+            reported_at=at,
+            healthy=healthy,
+        )
+
+    def snapshot(
+        self, names: Sequence[str], now: float, ready: Collection[str] | None = None
+    ) -> FleetSnapshot:
+        """The clusters ``names`` as the policy sees them at ``now``. ``ready``: clusters with
+        a ready endpoint (endpoint-picker mode probes them), None when not known."""
+        return FleetSnapshot.of({n: self.cluster(n, now, ready) for n in names})
+
+
+class SessionMemory:
+    """Seen marks and overrides of one replica, LRU-bounded."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self.max_sessions = max_sessions
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+        self._overrides: OrderedDict[bytes, Override] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def touch(self, key: bytes, now: float, ttl_s: float) -> bool:
+        """Mark the session seen at ``now``; True when it had been seen within ``ttl_s``."""
+        last = self._seen.pop(key, None)
+        self._seen[key] = now
+        # The dict is in last-seen order: expired marks collect at the front.
+        while self._seen:
+            oldest_key, oldest = next(iter(self._seen.items()))
+            if len(self._seen) <= self.max_sessions and now - oldest <= ttl_s:
+                break
+            del self._seen[oldest_key]
+        return last is not None and now - last <= ttl_s
+
+    def override(self, key: bytes, now: float) -> Override | None:
+        found = self._overrides.get(key)
+        if found is not None and found.expires_at <= now:
+            del self._overrides[key]
+            return None
+        return found
+
+    def write(self, key: bytes, override: Override, now: float) -> None:
+        self._overrides.pop(key, None)
+        self._overrides[key] = override
+        while self._overrides:
+            oldest_key, oldest = next(iter(self._overrides.items()))
+            if len(self._overrides) <= self.max_sessions and oldest.expires_at > now:
+                break
+            del self._overrides[oldest_key]
+
+    @property
+    def overrides(self) -> int:
+        return len(self._overrides)
+
+
+class RedisSessions:
+    """Seen marks and overrides shared by every replica (see the module docstring)."""
+
+    def __init__(self, client: Redis, prefix: str, timeout_s: float) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def from_url(
+        cls, url: str, prefix: str = "fleet", timeout_s: float = 0.05, max_connections: int = 16
+    ) -> RedisSessions:
+        # A bounded pool and no client-side retries, as for the ledger: a retried lookup could
+        # wait several timeouts, and the answer to an unreachable Redis belongs to FleetState.
+        pool = BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout_s,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        return cls(Redis.from_pool(pool), prefix, timeout_s)
+
+    def _keys(self, key: bytes) -> tuple[str, str]:
+        base = f"{self.prefix}:aff:{key.hex()}"
+        return f"{base}:seen", f"{base}:ov"
+
+    async def lookup(
+        self, key: bytes, now: float, seen_ttl_s: float
+    ) -> tuple[bool, Override | None]:
+        """(seen within the TTL, override) and mark the session seen — one round trip."""
+        seen_key, ov_key = self._keys(key)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(ov_key)
+        pipe.pttl(ov_key)
+        pipe.set(seen_key, b"1", px=max(1, int(seen_ttl_s * 1000)), get=True)
+        async with asyncio.timeout(self.timeout_s):
+            cluster, pttl, previous = await pipe.execute()
+        override = None
+        if cluster is not None and isinstance(pttl, int) and pttl > 0:
+            name = cluster.decode() if isinstance(cluster, bytes) else str(cluster)
+            # The remaining TTL, on this replica's clock: replicas never compare clocks.
+            override = Override(name, now + pttl / 1000.0)
+        return previous is not None, override
+
+    async def write(self, key: bytes, override: Override, now: float) -> None:
+        _seen_key, ov_key = self._keys(key)
+        ttl_ms = max(1, int((override.expires_at - now) * 1000))
+        async with asyncio.timeout(self.timeout_s):
+            await self.client.set(ov_key, override.cluster.encode(), px=ttl_ms)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class FleetState:
+    """Everything the affinity policy is fed, owned by one servicer."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        max_sessions: int = 1_000_000,
+        shared: RedisSessions | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.load = LoadTable()
+        self.memory = SessionMemory(max_sessions)
+        self.shared = shared
+        self._hot: HotKeys | None = None
+        self._shared_down_until = 0.0
+        # Metric children cached per cluster: labels() costs more than the update itself.
+        self._kv_gauges: dict[str, Any] = {}
+        self._queue_gauges: dict[str, Any] = {}
+        self._inflight_gauges: dict[str, Any] = {}
+
+    def hot_keys(self, params: AffinityParams) -> HotKeys:
+        # Rebuilt when a reload changes the half-life: old rates decayed differently.
+        if self._hot is None or self._hot.half_life_s != params.hot_key_half_life_s:
+            self._hot = HotKeys(params.hot_key_half_life_s)
+        return self._hot
+
+    # -- sessions ----------------------------------------------------------------------------
+    def _shared_usable(self, now: float) -> bool:
+        return self.shared is not None and now >= self._shared_down_until
+
+    def _shared_failed(self, op: str, exc: BaseException, now: float) -> None:
+        self.metrics.affinity_store_errors.labels(op).inc()
+        # Logged once per probe interval at most: while down, Redis is not called at all.
+        log.warning(
+            "affinity store unavailable; using this replica's memory",
+            extra={
+                "op": op,
+                "error": f"{type(exc).__name__}: {exc}",
+                "retry_in_s": PROBE_INTERVAL_S,
+            },
+        )
+        self._shared_down_until = now + PROBE_INTERVAL_S
+
+    async def view(
+        self,
+        facts: RequestFacts,
+        hash_primary: str,
+        now: float,
+        params: AffinityParams,
+        salt: int = 0,
+    ) -> SessionView:
+        """Look the session up (and mark it seen); count the request toward hot-key rates."""
+        key = facts.session.digest
+        seen = self.memory.touch(key, now, params.new_session_ttl_s)
+        override = self.memory.override(key, now)
+        if self.shared is not None and self._shared_usable(now):
+            try:
+                shared_seen, shared_override = await self.shared.lookup(
+                    key, now, params.new_session_ttl_s
+                )
+            except (RedisError, OSError) as exc:  # TimeoutError is an OSError
+                self._shared_failed("lookup", exc, now)
+            else:
+                # Either store having seen it makes it existing (a restarted Redis forgets).
+                seen = seen or shared_seen
+                override = shared_override or override
+        hot = self.hot_keys(params)
+        hot.observe(key, hash_primary, now)
+        share = 0.0
+        if facts.session.source is KeySource.PREFIX:
+            share = hot.share(key, hash_primary, now, params.hot_key_min_requests)
+        return SessionView(seen=seen, override=override, key_share=share, salt=salt)
+
+    async def remember(self, facts: RequestFacts, decision: Decision, now: float) -> None:
+        override = decision.override_to_write
+        if override is None:
+            return
+        key = facts.session.digest
+        self.memory.write(key, override, now)
+        if self.shared is not None and self._shared_usable(now):
+            try:
+                await self.shared.write(key, override, now)
+            except (RedisError, OSError) as exc:
+                self._shared_failed("write", exc, now)
+
+    # -- load --------------------------------------------------------------------------------
+    def _child(self, cache: dict[str, Any], gauge: Any, cluster: str) -> Any:
+        child = cache.get(cluster)
+        if child is None:
+            child = cache[cluster] = gauge.labels(cluster)
+        return child
+
+    def routed(self, cluster: str) -> None:
+        count = self.load.acquire(cluster)
+        self._child(self._inflight_gauges, self.metrics.cluster_inflight, cluster).set(count)
+
+    def finished(self, cluster: str) -> None:
+        count = self.load.release(cluster)
+        self._child(self._inflight_gauges, self.metrics.cluster_inflight, cluster).set(count)
+
+    def reported(
+        self,
+        chosen: str,
+        served_by: str | None,
+        report: LoadReport | None,
+        now: float,
+        params: AffinityParams,
+    ) -> None:
+        """A routed request's response headers arrived. ``served_by``: the cluster that says it
+        served (a known name) or None when the response does not say."""
+        cluster = served_by or chosen
+        if served_by is not None and served_by != chosen:
+            # Envoy moved the request to the aggregate's next priority: the chosen cluster was
+            # unhealthy, ejected, or failed this attempt.
+            self.load.mark_failing(chosen, now + params.signal_max_age_s)
+            self.metrics.failovers_seen.labels(chosen).inc()
+        if report is None:
+            self.metrics.load_reports.labels("none").inc()
+            return
+        self.metrics.load_reports.labels(report.source).inc()
+        self.load.record(cluster, report, now)
+        if report.kv is not None:
+            self._child(self._kv_gauges, self.metrics.cluster_kv, cluster).set(report.kv)
+        if report.queue is not None:
+            self._child(self._queue_gauges, self.metrics.cluster_queue, cluster).set(report.queue)
+
+    async def close(self) -> None:
+        if self.shared is not None:
+            await self.shared.close()
