@@ -9,6 +9,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "overhead": ("extproc.bench.overhead", "Envoy alone vs + bare processor vs + extproc"),
     "routing": ("extproc.bench.routing", "round robin vs ring hash vs extproc on one workload"),
     "admission": ("extproc.bench.admission", "admission decision cost, memory vs Redis ledger"),
+    "deps": ("extproc.bench.deps", "the dependency choices: protobuf libraries, aioredis"),
     "skew": ("extproc.bench.skew", "hot prefixes + a slow cluster: pure hashing vs load-aware"),
 }
 
