@@ -337,10 +337,10 @@ def run_policy(
             seen[s] = 1
             if spill(new):
                 policy.placed(view, s, serve_c)
-        keys = t_keys[tp]
         off = offsets[i]
-        if off:
-            keys = tuple([k + off for k in keys])
+        # A list, not a tuple: serve() only indexes and slices it, and building a tuple
+        # would cost a second pass.
+        keys: Sequence[int] = [k + off for k in t_keys[tp]] if off else t_keys[tp]
         got, first, done = states[serve_c].serve(keys, t_in[tp], t_out[tp], now)
         if ticket is not None:
             seq += 1

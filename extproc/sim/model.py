@@ -31,6 +31,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from random import Random
 
 
@@ -186,9 +187,8 @@ class ClusterState:
         over = len(cache) - self.capacity_blocks
         if over > 0:
             self.evictions += over
-            popitem = cache.popitem
-            for _ in range(over):
-                popitem(last=False)
+            # popitem(last=False) ``over`` times, iterated in C.
+            deque(map(cache.popitem, repeat(False, over)), maxlen=0)
 
         slots = self.slots
         while slots and slots[0] <= now:

@@ -142,9 +142,11 @@ def build(options: SimOptions, base: BaseTraffic | None = None) -> Prepared:
         events = tuple(parse_event(e, period) for e in options.events)
     scenario = prepare(traffic, clusters, shape.clusters, events)
     config = SimConfig(classes, options.max_retries, options.spill_wait_s, options.seed)
-    windows = tuple(b.window for b in bursts) + tuple(
-        parse_window(w, period) for w in options.windows
-    )
+    # Bursts are windows of their own; an explicit window equal to one is reported once
+    # (0.2T + 0.1T and 0.3T differ in the last bits, hence the rounding).
+    spans = [b.window for b in bursts] + [parse_window(w, period) for w in options.windows]
+    unique = {(round(lo, 6), round(hi, 6)): (lo, hi) for lo, hi in reversed(spans)}
+    windows = tuple(sorted(unique.values()))
     return Prepared(scenario, config, windows)
 
 

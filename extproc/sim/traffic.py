@@ -334,3 +334,53 @@ def expand(
 def copies_for(base: BaseTraffic, sessions: int) -> int:
     """Copies needed for at least ``sessions`` trace sessions."""
     return max(1, math.ceil(sessions / max(1, base.n_sessions)))
+
+
+def mooncake_like(
+    seed: int,
+    sessions: int,
+    duration_s: float,
+    max_turns: int = 8,
+    think_s: float = 30.0,
+) -> Trace:
+    """A small seeded trace in the Mooncake format, for tests and quick experiments.
+
+    Like the real trace (whose shape it mimics, not its figures): most sessions are a single
+    request; the others send up to ``max_turns`` requests, each re-sending the previous
+    prompt's blocks plus a few new ones, ``think_s`` apart on average. Contexts run from one
+    block to a few hundred (a few up to 150K tokens), so every request class is present.
+    """
+    from random import Random
+
+    from extproc.harness.trace import parse_trace
+
+    rng = Random(f"mooncake-like:{seed}")
+    next_id = 0
+    lines: list[str] = []
+    for _ in range(sessions):
+        start = rng.uniform(0.0, duration_s)
+        turns = 1 if rng.random() < 0.7 else rng.randint(2, max_turns)
+        roll = rng.random()
+        blocks = (
+            rng.randint(1, 3)
+            if roll < 0.35
+            else rng.randint(4, 60)
+            if roll < 0.97
+            else rng.randint(200, 300)
+        )
+        ids = list(range(next_id, next_id + blocks))
+        next_id += blocks
+        t = start
+        for _turn in range(turns):
+            tail = rng.randint(1, 511)
+            length = (len(ids) - 1) * 512 + tail
+            output = rng.randint(1, 400)
+            lines.append(
+                f'{{"timestamp": {int(t * 1000)}, "input_length": {length}, '
+                f'"output_length": {output}, "hash_ids": {ids}}}'
+            )
+            grow = rng.randint(1, 6)
+            ids = ids + list(range(next_id, next_id + grow))
+            next_id += grow
+            t += rng.expovariate(1.0 / think_s)
+    return parse_trace(lines, source=f"mooncake-like(seed={seed})")
