@@ -25,6 +25,7 @@ from extproc.core.decide import Route
 from extproc.core.endpoints import pick_endpoints
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.load import LOAD_HEADERS, parse_load_headers
+from extproc.core.placement import mix64
 from extproc.ledger.gate import AdmissionGate
 from extproc.metrics import Metrics
 from extproc.protocol import responses
@@ -74,8 +75,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             metrics, runtime.current.config.affinity.max_sessions
         )
         self._shared_checked = fleet_state is not None
-        # Per-request salt for the policy's hot-key tie-break: a counter spreads sequential
-        # requests of one hot key evenly and is reproducible (no unseeded randomness).
+        # Per-request salt for the policy's hot-key tie-break: a mixed counter, reproducible
+        # (no unseeded randomness) and, unlike the bare counter, free of aliasing with periodic
+        # traffic (a hot request after every other request would see only even salts).
         self._salt = itertools.count()
         # The whole phase contract, in one table. Phases we never ask Envoy for (see the
         # processing_mode we render) still get a pass-through answer so a mis-configured
@@ -244,7 +246,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self._attach_shared_store(runtime)
         params = runtime.affinity
         ranked = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
-        view = await self._fleet.view(facts, ranked[0], now, params, next(self._salt))
+        view = await self._fleet.view(facts, ranked[0], now, params, mix64(next(self._salt)))
         snapshot = self._fleet.load.snapshot(ranked, now, self._ready_clusters(runtime))
         decision = place(facts, ranked, snapshot, view, now, params)
         if decision.migration_reason is not None:
