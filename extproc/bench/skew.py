@@ -236,15 +236,26 @@ def run_setup(
     workdir: Path,
 ) -> SetupRun:
     overrides: dict[str, Any] = {"affinity": LOAD_AWARE} if setup == "load_aware" else {}
-    stack = FleetStack(
-        workdir,
-        clusters=fleet.clusters,
-        sim_args=fleet.sim_args(),
-        fleet_overrides=overrides,
-        processor_args=("--log-level", "warning", "--seed", "0"),
-        access_log=False,
-    )
-    stack.start()
+
+    def make_stack() -> FleetStack:
+        return FleetStack(
+            workdir,
+            clusters=fleet.clusters,
+            sim_args=fleet.sim_args(),
+            fleet_overrides=overrides,
+            processor_args=("--log-level", "warning", "--seed", "0"),
+            access_log=False,
+        )
+
+    stack = make_stack()
+    try:
+        stack.start()
+    except (TimeoutError, RuntimeError) as exc:
+        # FleetStack picks free ports before the processes bind them; on a shared machine one
+        # can be taken in between, or handed out twice (seen: two sims on one port). New ports.
+        print(f"fleet start failed ({exc}); retrying once with new ports", file=sys.stderr)
+        stack = make_stack()
+        stack.start()
     try:
         admin = Client(stack.sim_specs[fleet.slow_cluster].port)
         try:
