@@ -54,13 +54,14 @@ def parse_event(text: str, period: float) -> Event:
 
 
 def default_events(clusters: int, period: float) -> tuple[Event, ...]:
-    """One of each: c1 fails at 0.4T and recovers at 0.7T; a spare joins at 0.5T; the last
-    base cluster leaves at 0.6T. Needs one spare (``FleetShape.spares``)."""
+    """One of each, never overlapping (so each one's effect is measured alone): c1 fails at
+    0.25T and recovers at 0.5T; a spare joins at 0.6T; the last base cluster leaves at 0.7T.
+    0.8T-0.95T stays free for a burst. Needs one spare (``FleetShape.spares``)."""
     return (
-        Event(0.4 * period, Kind.FAIL, "c1"),
-        Event(0.5 * period, Kind.ADD, f"c{clusters + 1}"),
-        Event(0.6 * period, Kind.REMOVE, f"c{clusters}"),
-        Event(0.7 * period, Kind.RECOVER, "c1"),
+        Event(0.25 * period, Kind.FAIL, "c1"),
+        Event(0.5 * period, Kind.RECOVER, "c1"),
+        Event(0.6 * period, Kind.ADD, f"c{clusters + 1}"),
+        Event(0.7 * period, Kind.REMOVE, f"c{clusters}"),
     )
 
 

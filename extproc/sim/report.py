@@ -28,6 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from extproc.sim.engine import GAVE_UP_429, SERVED, FailureRecord, PolicyRun, Scenario
+from extproc.sim.events import Kind
 from extproc.sim.policies import POLICIES
 from extproc.sim.traffic import Traffic
 
@@ -96,6 +97,57 @@ def _failure(record: FailureRecord, scenario: Scenario, seed: int) -> dict[str, 
         "failback_reprefill_tokens": record.failback_tokens,
         "lost_inflight_requests": record.lost_inflight,
     }
+
+
+def failover_plan(scenario: Scenario) -> list[dict[str, Any]]:
+    """Per scripted failure, where the hash sends *all* the failed cluster's sessions.
+
+    Every trace session whose primary is the failed cluster (in the epoch in force), weighted
+    by its largest prompt (what it would re-prefill if it came back), goes to its secondary.
+    This is the re-prefill the placement plans for, independent of which sessions happen to
+    return during the outage; max/mean over survivors (divided by weight).
+    """
+    traffic = scenario.traffic
+    names = scenario.names
+    weights_all = np.array([c.weight for c in scenario.clusters], dtype=np.float64)
+    tmpl = np.asarray(traffic.templates, dtype=np.int64)
+    sess = np.asarray(traffic.sessions, dtype=np.int64)
+    context = np.zeros(traffic.n_sessions, dtype=np.float64)
+    np.maximum.at(context, sess, np.asarray(traffic.t_input, dtype=np.float64)[tmpl])
+    out: list[dict[str, Any]] = []
+    for ev, epoch in zip(scenario.events, scenario.epoch_after, strict=True):
+        if ev.kind is not Kind.FAIL:
+            continue
+        failed = names.index(ev.cluster)
+        table = scenario.tables.tables[epoch][: traffic.n_trace_sessions]
+        members = scenario.tables.members[epoch].copy()
+        members[failed] = False
+        survivors = np.flatnonzero(members)
+        mine = table[:, 0] == failed
+        second = table[mine, 1].astype(np.int64)
+        n_clusters = len(names)
+        tokens = (
+            np.bincount(
+                second, weights=context[: traffic.n_trace_sessions][mine], minlength=n_clusters
+            )[survivors]
+            / weights_all[survivors]
+        )
+        counts = np.bincount(second, minlength=n_clusters)[survivors] / weights_all[survivors]
+        out.append(
+            {
+                "event": str(ev),
+                "sessions": int(mine.sum()),
+                "survivors": len(survivors),
+                "sessions_per_survivor": _round(float(mine.sum()) / len(survivors), 2),
+                "tokens_max_over_mean": _round(float(tokens.max() / tokens.mean()), 4)
+                if tokens.mean() > 0
+                else None,
+                "sessions_max_over_mean": _round(float(counts.max() / counts.mean()), 4)
+                if counts.mean() > 0
+                else None,
+            }
+        )
+    return out
 
 
 def _class_stats(
@@ -274,6 +326,7 @@ def summarize(
         ],
         "windows": [[_round(lo, 3), _round(hi, 3)] for lo, hi in windows],
         "remapped": scenario.remapped(),
+        "failover_plan": failover_plan(scenario),
         "timeline_edges_s": [_round(float(e), 2) for e in edges],
         "policies": policies,
     }
@@ -315,6 +368,15 @@ def format_table(summary: Mapping[str, Any]) -> str:
         spread = "/".join(_fmt(s) for s in spreads) or "-"
         row += f"{p['cost_usd']['input']:>10.2f}{p['cost_usd']['total']:>10.2f}{spread:>17}"
         lines.append(row)
+    rr = summary["policies"].get("round-robin")
+    if rr and rr["cost_usd"]["input"]:
+        ratios = ", ".join(
+            f"{name} {p['cost_usd']['input'] / rr['cost_usd']['input']:.2f}x"
+            for name, p in summary["policies"].items()
+            if name != "round-robin"
+        )
+        lines.append("")
+        lines.append(f"input cost relative to round-robin: {ratios}")
     if summary.get("windows"):
         lines.append("")
         lines.append(
@@ -335,6 +397,13 @@ def format_table(summary: Mapping[str, Any]) -> str:
                 f"(1/N = {r['one_over_n'] * 100:.3f}%, weight share "
                 f"{r['expected_share'] * 100:.3f}%)"
             )
+    for plan in summary.get("failover_plan", []):
+        lines.append(
+            f"{plan['event']}: its {plan['sessions']:,} sessions' secondaries "
+            f"({plan['sessions_per_survivor']} per survivor): context tokens max/mean "
+            f"{_fmt(plan['tokens_max_over_mean'])}, sessions max/mean "
+            f"{_fmt(plan['sessions_max_over_mean'])}"
+        )
     failures = [(n, f) for n, p in summary["policies"].items() for f in p["failures"]]
     if failures:
         lines.append("")

@@ -191,6 +191,11 @@ def test_a_failed_clusters_sessions_move_to_their_secondary() -> None:
     assert {int(table[s, 0]) for s in failure.by_session} == {failure.cluster}
     assert set(failure.spread) <= {int(table[s, 1]) for s in failure.by_session}
     assert failure.cluster not in failure.spread
+    # The plan covers every session whose primary is c2, each sent to its secondary.
+    (plan,) = summary["failover_plan"]
+    n_trace = prepared.scenario.traffic.n_trace_sessions
+    assert plan["sessions"] == int((table[:n_trace, 0] == failure.cluster).sum())
+    assert plan["survivors"] == 7 and plan["tokens_max_over_mean"] >= 1.0
     # With no planned secondary every request of those sessions lands somewhere new.
     pol = summary["policies"]
     assert (
