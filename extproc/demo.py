@@ -155,11 +155,81 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+# The embedded default's bulkheads: a short class that is never starved, and a long class
+# that may hold at most two requests (and 600K tokens) on each cluster at once.
+DEMO_CLASSES: list[dict[str, object]] = [
+    {"name": "short", "max_input_tokens": 2048, "budget": {"max_concurrent": 256}},
+    {"name": "medium", "max_input_tokens": 100_000, "budget": {"max_concurrent": 64}},
+    {"name": "long", "budget": {"max_inflight_tokens": 600_000, "max_concurrent": 2}},
+]
+
+
+def _post_once(port: int, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    client = Client(port)
+    try:
+        return client.post_json(path, body)
+    finally:
+        client.close()
+
+
+def bulkhead_phase(stack: FleetStack, longs: int = 24, shorts: int = 24) -> dict[str, object]:
+    """A burst of 200K-token agentic requests while interactive requests keep arriving."""
+    print(f"\n== bulkhead: {longs} long-context (200K-token) requests at once + {shorts} short ==")
+    context = "tool output: build log line, nothing to see here. " * (200_000 * 4 // 50)
+
+    def long_body(i: int) -> bytes:
+        msgs = [{"role": "user", "content": f"agent {i}: {context}"}]
+        return orjson.dumps({"model": "demo", "messages": msgs, "max_tokens": 8})
+
+    def short_body(i: int) -> bytes:
+        msgs = [{"role": "user", "content": f"quick question {i}"}]
+        return orjson.dumps({"model": "demo", "messages": msgs, "max_tokens": 8})
+
+    port = stack.listener_port
+    path = "/v1/chat/completions"
+    with ThreadPoolExecutor(longs + shorts) as pool:
+        long_f = [pool.submit(_post_once, port, path, long_body(i)) for i in range(longs)]
+        short_f = [pool.submit(_post_once, port, path, short_body(i)) for i in range(shorts)]
+        long_r = [f.result() for f in long_f]
+        short_r = [f.result() for f in short_f]
+    long_status = collections.Counter(s for s, _, _ in long_r)
+    short_status = collections.Counter(s for s, _, _ in short_r)
+    retry_after = sorted(int(h["retry-after"]) for s, h, _ in long_r if s == 429)
+    sample = next((h for s, h, _ in long_r if s == 429), {})
+    span = f"{retry_after[0]}..{retry_after[-1]} s" if retry_after else "-"
+    print(f"long class:  {dict(long_status)}  (429s carry retry-after {span})")
+    print(f"short class: {dict(short_status)}")
+    if sample:
+        keys = (
+            "retry-after",
+            "x-ratelimit-limit-tokens",
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-reset-tokens",
+            "ratelimit-policy",
+            "ratelimit",
+            "x-fleet-class",
+        )
+        print("a 429's headers: " + "; ".join(f"{k}: {sample[k]}" for k in keys if k in sample))
+    after = _post_once(port, path, long_body(999))[0]
+    print(f"after the burst drained, a long request gets: {after}")
+    return {
+        "long": {str(k): v for k, v in long_status.items()},
+        "short": {str(k): v for k, v in short_status.items()},
+        "retry_after_s": retry_after,
+        "long_after_burst": after,
+    }
+
+
 def run_demo(
     workdir: Path, clusters: int, sessions: int, turns: int, workers: int
 ) -> dict[str, object]:
     report: dict[str, object] = {}
-    stack = FleetStack(workdir, clusters=clusters, sim_args=("--time-scale", "0.01"))
+    stack = FleetStack(
+        workdir,
+        clusters=clusters,
+        sim_args=("--time-scale", "0.01"),
+        fleet_overrides={"classes": DEMO_CLASSES},
+    )
     t0 = time.monotonic()
     with stack:
         print(
@@ -237,6 +307,7 @@ def run_demo(
             "moved_sessions_per_survivor": dict(sorted(spread.items())),
             "sessions_back_on_primary_after_recovery": returned,
         }
+        report["bulkhead"] = bulkhead_phase(stack)
     report["elapsed_s"] = round(time.monotonic() - t0, 1)
     report["turns"] = [asdict(t) for t in demo.turns]
     return report
@@ -258,8 +329,11 @@ def run(args: argparse.Namespace) -> int:
     path = out / "report.json"
     path.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(f"\nreport: {path}  (process logs and Envoy access log: {workdir})")
-    failover = report["failover"]
+    failover, bulkhead = report["failover"], report["bulkhead"]
     ok = isinstance(failover, dict) and failover["failed_during_outage"] == 0
     if not ok:
         print("demo: requests failed during failover", file=sys.stderr)
+    if not (isinstance(bulkhead, dict) and set(bulkhead["short"]) == {"200"}):
+        print("demo: short requests were not all admitted during the burst", file=sys.stderr)
+        ok = False
     return 0 if ok else 1
