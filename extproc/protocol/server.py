@@ -244,6 +244,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """Feed the pure affinity policy: candidates, load snapshot, session memory, now."""
         if not self._shared_checked:
             self._attach_shared_store(runtime)
+        # A reload may change the bound; the memory trims to it on its next writes.
+        self._fleet.memory.max_sessions = runtime.config.affinity.max_sessions
         params = runtime.affinity
         ranked = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
         view = await self._fleet.view(facts, ranked[0], now, params, mix64(next(self._salt)))
