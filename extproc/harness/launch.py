@@ -206,7 +206,24 @@ class FleetStack:
         self.envoy_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
 
     # ----- lifecycle ----------------------------------------------------------------------
-    def start(self) -> FleetStack:
+    def start(self, attempts: int = 2) -> FleetStack:
+        """Start everything; retried once with fresh ports, because a port picked free can be
+        taken by another process before ours binds it (a busy shared machine)."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once()
+            except (TimeoutError, RuntimeError):
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+                self.sims.clear()
+                self.sim_specs.clear()
+                self.procs.clear()
+                self.metrics_ports.clear()
+                self.envoy = None
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> FleetStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.listener_port, self.admin_port = free_port(), free_port()
         self.grpc_ports = [free_port() for _ in range(max(1, self.processors))]
@@ -318,7 +335,14 @@ class FleetStack:
         ]
         self.envoy = Proc("envoy", argv, self.workdir / "envoy.log")
         self.envoy.start()
-        wait_until(lambda: _ok(self.admin_port, "/ready"), 30, "envoy /ready")
+        envoy = self.envoy
+
+        def ready() -> bool:
+            if not envoy.alive:  # e.g. a port taken meanwhile: fail now, not after the timeout
+                raise RuntimeError(f"envoy exited:\n{envoy.log_text()[-2000:]}")
+            return _ok(self.admin_port, "/ready")
+
+        wait_until(ready, 30, "envoy /ready")
         self.wait_healthy(list(self.sim_specs))
 
     def host_health(self) -> dict[tuple[str, str], bool]:

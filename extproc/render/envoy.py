@@ -337,6 +337,11 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     fallback = _inference_cluster(FALLBACK_CLUSTER, every_endpoint, clusters[0].health_path, opts)
     if opts.mode == "ring_hash":
         fallback["lb_policy"] = "RING_HASH"
+        # Hash on names, not addresses: the same ring in every run and on every machine.
+        keys = [f"{c.name}/{i}" for c in clusters for i, _ in enumerate(c.endpoints)]
+        lb_endpoints = fallback["load_assignment"]["endpoints"][0]["lb_endpoints"]
+        for lb_endpoint, key in zip(lb_endpoints, keys, strict=True):
+            lb_endpoint["metadata"] = {"filter_metadata": {"envoy.lb": {"hash_key": key}}}
     if opts.mode == "extproc" and _picks_endpoints(runtime):
         del fallback["lb_policy"]
         fallback["load_balancing_policy"] = _override_host_policy()
