@@ -159,6 +159,9 @@ class FleetStack:
     grpc_ports: list[int] = field(default_factory=list, init=False)
     metrics_ports: list[int] = field(default_factory=list, init=False)
     fleet_path: Path = field(default=Path(), init=False)
+    # Ports this stack has handed out: the OS may offer a just-closed port again, and two of
+    # our own processes must never be given the same one.
+    _ports: set[int] = field(default_factory=set, init=False)
     envoy_path: Path = field(default=Path(), init=False)
 
     # ----- config -------------------------------------------------------------------------
@@ -223,13 +226,20 @@ class FleetStack:
                 self.envoy = None
         raise AssertionError("unreachable")
 
+    def _port(self) -> int:
+        while True:
+            port = free_port()
+            if port not in self._ports:
+                self._ports.add(port)
+                return port
+
     def _start_once(self) -> FleetStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.listener_port, self.admin_port = free_port(), free_port()
-        self.grpc_ports = [free_port() for _ in range(max(1, self.processors))]
+        self.listener_port, self.admin_port = self._port(), self._port()
+        self.grpc_ports = [self._port() for _ in range(max(1, self.processors))]
         self.grpc_port = self.grpc_ports[0]
         for i in range(1, self.clusters + 1):
-            spec = SimSpec(f"c{i}", free_port(), self.sim_args)
+            spec = SimSpec(f"c{i}", self._port(), self.sim_args)
             self.sim_specs[spec.name] = spec
         self.write_configs()
         try:
@@ -281,7 +291,7 @@ class FleetStack:
 
     def add_cluster(self, name: str) -> None:
         """Start one more simulated cluster and add it to fleet.yaml (the processor reloads)."""
-        spec = SimSpec(name, free_port(), self.sim_args)
+        spec = SimSpec(name, self._port(), self.sim_args)
         self.sim_specs[name] = spec
         self.start_sim(name)
         wait_until(lambda: _ok(spec.port, "/health"), 20, f"sim cluster {name}")

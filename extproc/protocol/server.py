@@ -62,8 +62,11 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         clock: Callable[[], float] = time.perf_counter,
         endpoint_health: EndpointHealth | None = None,
         fleet_state: FleetState | None = None,
+        redis_url: str | None = None,
     ) -> None:
         self._endpoint_health = endpoint_health
+        # --redis-url / FLEET_REDIS_URL win over the config's redis.url, as for the ledger.
+        self._redis_url = redis_url
         self._runtime = runtime
         self._metrics = metrics
         self._gate = gate
@@ -233,9 +236,10 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def _attach_shared_store(self, runtime: Runtime) -> None:
         self._shared_checked = True
         redis = runtime.config.redis
-        if redis.url:
+        url = self._redis_url or redis.url
+        if url:
             self._fleet.shared = RedisSessions.from_url(
-                redis.url, redis.key_prefix, redis.timeout_ms / 1000
+                url, redis.key_prefix, redis.timeout_ms / 1000
             )
 
     async def _place(

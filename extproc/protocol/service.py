@@ -223,7 +223,11 @@ class Service:
         reuse = self.opts.workers > 1
         server = grpc.aio.server(options=grpc_options(cfg.processor.max_body_bytes, reuse))
         processor = FleetProcessor(
-            self.holder, self.metrics, self.gate, endpoint_health=self.endpoint_health
+            self.holder,
+            self.metrics,
+            self.gate,
+            endpoint_health=self.endpoint_health,
+            redis_url=self.opts.redis_url,
         )
         ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -280,6 +284,7 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         await self.gate.close()
+        await processor.aclose()
         if self.endpoint_health is not None:
             await self.endpoint_health.close()
         await runner.cleanup()
