@@ -127,3 +127,33 @@ class Metrics:
             ["result"],
             registry=registry,
         )
+        # Response inspection (processor.inspect_usage) only.
+        self.upstream_input_tokens = Counter(
+            "fleet_upstream_input_tokens",
+            "Input tokens the upstream reported, by cluster and prefix-cache outcome.",
+            ["cluster", "cache"],
+            registry=registry,
+        )
+        self.upstream_output_tokens = Counter(
+            "fleet_upstream_output_tokens",
+            "Output tokens the upstream reported, by cluster.",
+            ["cluster"],
+            registry=registry,
+        )
+        self.cost_dollars = Counter(
+            "fleet_token_cost_dollars",
+            "Cost of the reported tokens at the configured prices (prices: section).",
+            ["cluster"],
+            registry=registry,
+        )
+        self.cache_savings_dollars = Counter(
+            "fleet_cache_savings_dollars",
+            "What prefix-cache hits saved against paying every input token uncached.",
+            ["cluster"],
+            registry=registry,
+        )
+        self.usage_missing = Counter(
+            "fleet_usage_missing_responses",
+            "Inspected responses that carried no usage.",
+            registry=registry,
+        )

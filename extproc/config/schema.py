@@ -46,6 +46,10 @@ class ProcessorConfig(Strict):
     # primary's endpoint then the secondary's in x-gateway-destination-endpoint and in the
     # envoy.lb dynamic metadata; 503 when no endpoint is ready.
     mode: Literal["route", "endpoint_picker"] = "route"
+    # Read the upstream's token usage (cached vs uncached input, output) from responses for the
+    # cost metrics. Costs one more ext_proc exchange per response (two or more for streams):
+    # off by default, measured by `extproc bench overhead --inspect-usage`.
+    inspect_usage: bool = False
 
 
 class ClusterConfig(Strict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
@@ -31,6 +32,16 @@ CONTINUE_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse()
 CONTINUE_RESPONSE_HEADERS = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
 CONTINUE_RESPONSE_BODY = ep.ProcessingResponse(response_body=ep.BodyResponse())
 CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+
+
+# Streams must keep streaming while their usage is read: switch this response's body to
+# STREAMED (the filter's default for inspected responses is BUFFERED, right for JSON answers).
+STREAM_RESPONSE_HEADERS = ep.ProcessingResponse(
+    response_headers=ep.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(
+        response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED
+    ),
+)
 
 
 def _set(key: str, value: str) -> base_pb2.HeaderValueOption:

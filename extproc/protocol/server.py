@@ -26,6 +26,7 @@ from extproc.core.endpoints import pick_endpoints
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.load import LOAD_HEADERS, parse_load_headers
 from extproc.core.placement import mix64
+from extproc.core.usage import Prices, SseUsageScanner, Usage, usage_from_body
 from extproc.ledger.gate import AdmissionGate
 from extproc.metrics import Metrics
 from extproc.protocol import responses
@@ -91,7 +92,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             "request_trailers": self._pass(responses.CONTINUE_TRAILERS),
             # Asked for only when affinity is on: the clusters' load reports ride on them.
             "response_headers": self._on_response_headers,
-            "response_body": self._pass(responses.CONTINUE_RESPONSE_BODY),
+            # Asked for only when usage inspection is on (cost metrics).
+            "response_body": self._on_response_body,
             "response_trailers": self._pass(responses.CONTINUE_RESPONSE_TRAILERS),
         }
 
@@ -220,6 +222,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if runtime.affinity.enabled:
             state.routed_to = route.placement.primary
             self._fleet.routed(state.routed_to)
+        if runtime.config.processor.inspect_usage:
+            state.usage_cluster = route.placement.primary
         if runtime.config.processor.mode == "endpoint_picker":
             answer = self._pick(runtime, route, facts, api)
         else:
@@ -262,14 +266,19 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return decision
 
     async def _on_response_headers(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
-        chosen = state.routed_to
-        if chosen is None or state.reported:
-            return responses.CONTINUE_RESPONSE_HEADERS
-        state.reported = True
         runtime = self._runtime.current
-        params = runtime.affinity
+        inspect = runtime.config.processor.inspect_usage and state.usage_cluster is not None
+        if (state.routed_to is None or state.reported) and not inspect:
+            return responses.CONTINUE_RESPONSE_HEADERS
         served_header = runtime.config.affinity.served_by_header
-        wanted = (*LOAD_HEADERS, served_header) if served_header else LOAD_HEADERS
+        wanted = (
+            (*LOAD_HEADERS, served_header, "content-type")
+            if served_header
+            else (
+                *LOAD_HEADERS,
+                "content-type",
+            )
+        )
         found: dict[str, str] = {}
         # Only the few headers we read are decoded; a response may carry dozens.
         for h in request.response_headers.headers.headers:
@@ -278,9 +287,50 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         served_by = found.get(served_header) if served_header else None
         if served_by not in runtime.cluster_names:
             served_by = None  # not one of ours (or absent): credit the cluster we chose
-        report = parse_load_headers(found)
-        self._fleet.reported(chosen, served_by, report, self._clock(), params)
+        chosen = state.routed_to
+        if chosen is not None and not state.reported:
+            state.reported = True
+            report = parse_load_headers(found)
+            self._fleet.reported(chosen, served_by, report, self._clock(), runtime.affinity)
+        if not inspect or state.api is None:
+            return responses.CONTINUE_RESPONSE_HEADERS
+        if served_by is not None:
+            state.usage_cluster = served_by
+        if found.get("content-type", "").startswith("text/event-stream"):
+            state.usage_stream = SseUsageScanner(state.api)
+            return responses.STREAM_RESPONSE_HEADERS
         return responses.CONTINUE_RESPONSE_HEADERS
+
+    async def _on_response_body(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
+        api, cluster = state.api, state.usage_cluster
+        if api is None or cluster is None:
+            return responses.CONTINUE_RESPONSE_BODY
+        msg = request.response_body
+        scanner = state.usage_stream
+        if isinstance(scanner, SseUsageScanner):
+            scanner.feed(msg.body)
+            if msg.end_of_stream:
+                self._account_usage(cluster, scanner.finish())
+                state.usage_cluster = None
+        elif msg.end_of_stream:
+            self._account_usage(cluster, usage_from_body(api, msg.body))
+            state.usage_cluster = None
+        return responses.CONTINUE_RESPONSE_BODY
+
+    def _account_usage(self, cluster: str, usage: Usage | None) -> None:
+        if usage is None:
+            self._metrics.usage_missing.inc()
+            return
+        m = self._metrics
+        m.upstream_input_tokens.labels(cluster, "hit").inc(usage.cached_tokens)
+        m.upstream_input_tokens.labels(cluster, "miss").inc(
+            max(0, usage.prompt_tokens - usage.cached_tokens)
+        )
+        m.upstream_output_tokens.labels(cluster).inc(usage.output_tokens)
+        p = self._runtime.current.config.prices
+        prices = Prices(p.cached_input, p.uncached_input, p.output)
+        m.cost_dollars.labels(cluster).inc(prices.cost(usage))
+        m.cache_savings_dollars.labels(cluster).inc(prices.saved(usage))
 
     def _pick(
         self, runtime: Runtime, route: Route, facts: RequestFacts, api: Api

@@ -26,3 +26,7 @@ class StreamState:
     # there until the stream ends) and whether its response's load report was read already.
     routed_to: str | None = None
     reported: bool = False
+    # Usage inspection only: the cluster the request was sent to (primary, or the serving
+    # cluster named by the response) and the SSE scanner when the response is a stream.
+    usage_cluster: str | None = None
+    usage_stream: Any = None

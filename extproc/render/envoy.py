@@ -235,6 +235,8 @@ def _override_host_policy() -> Json:
 def _ext_proc_filter(runtime: Runtime) -> Json:
     proc = runtime.config.processor
     extra: Json = {}
+    if proc.inspect_usage:
+        extra["allow_mode_override"] = True
     if _picks_endpoints(runtime):
         # Without this Envoy silently drops the envoy.lb metadata the picker returns.
         extra["metadata_options"] = {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
@@ -259,8 +261,13 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
                 # Load-aware affinity reads the clusters' load reports (ORCA
                 # endpoint-load-metrics / x-fleet-load) from the response headers, so it pays
                 # for one more exchange per request; pure hashing does not need them.
-                "response_header_mode": ("SEND" if runtime.config.affinity.enabled else "SKIP"),
-                "response_body_mode": "NONE",
+                # Usage inspection reads the response body too: whole for JSON answers, and
+                # switched per response to STREAMED for SSE (a mode override), so that streams
+                # keep streaming.
+                "response_header_mode": (
+                    "SEND" if runtime.config.affinity.enabled or proc.inspect_usage else "SKIP"
+                ),
+                "response_body_mode": "BUFFERED" if proc.inspect_usage else "NONE",
                 "request_trailer_mode": "SKIP",
                 "response_trailer_mode": "SKIP",
             },
