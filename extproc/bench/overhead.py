@@ -69,7 +69,17 @@ def chat_body(size: int) -> bytes:
     return orjson.dumps(doc)
 
 
-UPSTREAM_BODY = '{"id":"bench","object":"chat.completion","choices":[]}'
+# Carries a usage object so that the usage-inspection variant has something to read.
+UPSTREAM_BODY = (
+    '{"id":"bench","object":"chat.completion","choices":[],"usage":{"prompt_tokens":256,'
+    '"completion_tokens":16,"prompt_tokens_details":{"cached_tokens":128}}}'
+)
+# Variants of the real processor with an optional feature on: "extproc+affinity" reads response
+# headers (load reports), "extproc+usage" reads response headers and bodies (usage).
+VARIANTS = {
+    "affinity": {"affinity": {"enabled": True}},
+    "usage": {"processor": {"inspect_usage": True}},
+}
 
 
 def upstream_bootstrap(ports: list[int], admin_port: int) -> dict[str, Any]:
@@ -189,7 +199,7 @@ class Bench:
         self.front_port, self.front_admin, self.grpc_port, self.up_admin = (
             free_port() for _ in range(4)
         )
-        fleet = {
+        fleet: dict[str, Any] = {
             "version": 1,
             "listener": {
                 "address": LOOPBACK,
@@ -207,10 +217,19 @@ class Bench:
                 for i, p in enumerate(self.up_ports)
             ],
         }
+        self.fleet = fleet
         self.fleet_path = workdir / "fleet.yaml"
         self.fleet_path.write_text(yaml.safe_dump(fleet))
         self.runtime = load_runtime(self.fleet_path)
         self.procs: list[Proc] = []
+
+    def variant_config(self, name: str) -> Path:
+        doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.fleet.items()}
+        for section, values in VARIANTS[name].items():
+            doc[section] = {**doc.get(section, {}), **values}
+        path = self.workdir / f"fleet-{name}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return path
 
     def _envoy(self, name: str, config: dict[str, Any], admin: int) -> Proc:
         path = self.workdir / f"{name}.yaml"
@@ -261,15 +280,17 @@ class Bench:
                 "c1__c2",
             ]
             processor = Proc("bare", argv, self.workdir / "bare.log")
-        elif setup == "extproc" or setup.startswith(WORKER_SETUP):
-            workers = int(setup.removeprefix(WORKER_SETUP)) if setup != "extproc" else 1
+        elif setup.startswith("extproc"):
+            workers = int(setup.removeprefix(WORKER_SETUP)) if setup.startswith(WORKER_SETUP) else 1
+            variant = setup.partition("+")[2]
+            config_path = self.variant_config(variant) if variant else self.fleet_path
             argv = [
                 sys.executable,
                 "-m",
                 "extproc",
                 "serve",
                 "--config",
-                str(self.fleet_path),
+                str(config_path),
                 "--log-level",
                 "warning",
                 "--workers",
@@ -288,7 +309,9 @@ class Bench:
 
             wait_until(ready, 30, f"{setup} processor")
         mode: Mode = "round_robin" if setup == "envoy" else "extproc"
-        config = render_bootstrap(self.runtime, EnvoyOptions(mode=mode, access_log_path=None))
+        variant = setup.partition("+")[2]
+        runtime = load_runtime(self.variant_config(variant)) if variant else self.runtime
+        config = render_bootstrap(runtime, EnvoyOptions(mode=mode, access_log_path=None))
         front = self._envoy(f"front-{setup}", config, self.front_admin)
         wait_until(lambda: _healthy(self.front_admin), 20, "front envoy sees upstream healthy")
         return front, processor
@@ -313,7 +336,7 @@ class Bench:
             self.wrk,
             f"-t{threads}",
             f"-c{connections}",
-            f"-d{duration:g}s",
+            f"-d{max(1, round(duration))}s",  # wrk takes whole seconds
             "--latency",
             "-s",
             str(script),
@@ -362,6 +385,7 @@ def run_bench(
     connections: list[int],
     warmup: float,
     workers: list[int] | None = None,
+    variants: list[str] | None = None,
 ) -> list[WrkResult]:
     wrk = shutil.which("wrk")
     if not wrk:
@@ -372,6 +396,7 @@ def run_bench(
         try:
             bench.start_upstream()
             setups = list(SETUPS) + [f"{WORKER_SETUP}{n}" for n in (workers or []) if n > 1]
+            setups += [f"extproc+{v}" for v in (variants or [])]
             for setup in setups:
                 front, processor = bench.start_setup(setup)
                 for size in sizes:
@@ -452,6 +477,28 @@ def summarize(results: list[WrkResult]) -> list[str]:
                 + " / ".join(f"{r.proc_cpu_us_per_req or 0:.0f}" for r in rows)
                 + " |"
             )
+    extras = sorted({r.setup for r in results if "+" in r.setup})
+    if extras:
+        lines += [
+            "",
+            "| body | conns | rps: extproc / "
+            + " / ".join(extras)
+            + " | p50 ms | processor CPU us/req |",
+            "|---|---|---|---|---|",
+        ]
+        for (setup, size, conns), one in by.items():
+            if setup != "extproc":
+                continue
+            rows = [one] + [by[(x, size, conns)] for x in extras if (x, size, conns) in by]
+            lines.append(
+                f"| {size} | {conns} | "
+                + " / ".join(f"{r.rps:.0f}" for r in rows)
+                + " | "
+                + " / ".join(f"{r.p50_ms:.3f}" for r in rows)
+                + " | "
+                + " / ".join(f"{r.proc_cpu_us_per_req or 0:.0f}" for r in rows)
+                + " |"
+            )
     return lines
 
 
@@ -462,6 +509,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connections", default="1,16")
     parser.add_argument(
         "--workers", default="1,2", help="processor worker counts to compare (1 = the extproc row)"
+    )
+    parser.add_argument(
+        "--variants",
+        default="affinity,usage",
+        help="also measure the processor with these features on: affinity (response headers),"
+        " usage (response headers and bodies); '' for none",
     )
     parser.add_argument("--json-out", default="out/bench/overhead.json")
 
@@ -474,7 +527,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     conns = [int(c) for c in args.connections.split(",")]
     workers = [int(w) for w in args.workers.split(",") if w]
-    results = run_bench(args.duration, sizes, conns, args.warmup, workers)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown_variants = [v for v in variants if v not in VARIANTS]
+    if unknown_variants:
+        print(f"unknown variants {unknown_variants}; choose from {list(VARIANTS)}", file=sys.stderr)
+        return 2
+    results = run_bench(args.duration, sizes, conns, args.warmup, workers, variants)
     print("\n".join(summarize(results)))
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
