@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (
+LATENCY_BUCKETS = (
     0.00005,
     0.0001,
     0.00025,
@@ -49,7 +49,7 @@ class Metrics:
         self.decision_seconds = Histogram(
             "fleet_decision_seconds",
             "Time from the complete body to the processor's answer (parse + decide + admit).",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.body_bytes = Histogram(

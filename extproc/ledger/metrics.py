@@ -9,20 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_REDIS_BUCKETS = (
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    1.0,
-)
+from extproc.metrics import LATENCY_BUCKETS
 
 
 class LedgerMetrics:
@@ -69,7 +56,7 @@ class LedgerMetrics:
             "fleet_ledger_redis_seconds",
             "Latency of Redis ledger calls (one round trip each), by operation.",
             ["op"],
-            buckets=_REDIS_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.redis_errors = Counter(

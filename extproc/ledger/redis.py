@@ -43,10 +43,8 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.backoff import NoBackoff
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from extproc.core.admission import (
     RELEASE_RATE_TAU_S,
@@ -58,6 +56,7 @@ from extproc.core.admission import (
     Usage,
 )
 from extproc.ledger.base import LedgerUnavailable
+from extproc.redis_client import bounded_client
 
 # An idle compartment is dropped after this long (and never sooner than a few lease TTLs).
 IDLE_TTL_S = 3600.0
@@ -114,22 +113,8 @@ class RedisLedger:
         replica_id: str | None = None,
         max_connections: int = 16,
     ) -> RedisLedger:
-        """A ledger with its own bounded connection pool.
-
-        Bounded, because Redis runs scripts one at a time: past a handful of connections more
-        of them add no throughput, and a burst of admissions opening one connection each
-        would spend its whole timeout connecting. Waiting for a pooled connection counts
-        against the same timeout as the call.
-        """
-        pool = BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
-        client = Redis.from_pool(pool)  # owns the pool: aclose() closes its connections
+        """A ledger with its own bounded connection pool (see extproc.redis_client)."""
+        client = bounded_client(url, timeout_s, max_connections)
         return cls(
             client,
             prefix=prefix,

@@ -28,10 +28,8 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.backoff import NoBackoff
+from redis.asyncio import Redis
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from extproc.core.affinity import AffinityParams, Decision, Override, SessionView
 from extproc.core.facts import RequestFacts
@@ -39,6 +37,7 @@ from extproc.core.hotkeys import HotKeys
 from extproc.core.keys import KeySource
 from extproc.core.load import ClusterLoad, FleetSnapshot, LoadReport
 from extproc.metrics import Metrics
+from extproc.redis_client import bounded_client
 
 log = logging.getLogger("extproc.affinity")
 
@@ -152,17 +151,9 @@ class RedisSessions:
     def from_url(
         cls, url: str, prefix: str = "fleet", timeout_s: float = 0.05, max_connections: int = 16
     ) -> RedisSessions:
-        # A bounded pool and no client-side retries, as for the ledger: a retried lookup could
-        # wait several timeouts, and the answer to an unreachable Redis belongs to FleetState.
-        pool = BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
-        return cls(Redis.from_pool(pool), prefix, timeout_s)
+        # No client-side retries, as for the ledger: the answer to an unreachable Redis
+        # belongs to FleetState.
+        return cls(bounded_client(url, timeout_s, max_connections), prefix, timeout_s)
 
     def _keys(self, key: bytes) -> tuple[str, str]:
         base = f"{self.prefix}:aff:{key.hex()}"

@@ -8,6 +8,7 @@ import sys
 import yaml
 
 from extproc.config import ConfigError, load_runtime
+from extproc.render import write_output
 from extproc.render.envoy import MODES, EnvoyOptions, render_bootstrap
 
 
@@ -57,9 +58,5 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, OSError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
-    if args.output == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
+    write_output(args.output, text)
     return 0

@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from extproc.config import ConfigError, compile_runtime, load_config
+from extproc.render import write_output
 from extproc.render.gateway import (
     DEFAULT_IMAGE,
     MODES,
@@ -104,9 +105,5 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, GatewayRenderError, OSError, UnicodeDecodeError) as exc:
         print(f"extproc gateway: {exc}", file=sys.stderr)
         return 2
-    if args.output == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
+    write_output(args.output, text)
     return 0
