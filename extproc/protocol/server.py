@@ -214,6 +214,19 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     facts.api.value, outcome.class_name, outcome.reason
                 ).inc()
                 self._metrics.decision_seconds.observe(self._clock() - started)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug(
+                        "rejected",
+                        extra={
+                            "request_id": state.request_id,
+                            "session": facts.session.label,
+                            "request_class": outcome.class_name,
+                            "cluster": outcome.cluster,
+                            "status": outcome.status,
+                            "reason": str(outcome.reason),
+                            "retry_after_s": outcome.retry_after_s,
+                        },
+                    )
                 return responses.reject_response(outcome, api.error_style)
             if isinstance(outcome, Admitted):
                 state.ticket = outcome.ticket
@@ -229,6 +242,20 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         else:
             answer = responses.route_response(route, facts)
         self._metrics.decision_seconds.observe(self._clock() - started)
+        if log.isEnabledFor(logging.DEBUG):  # per-request lines only when asked for
+            log.debug(
+                "routed",
+                extra={
+                    "request_id": state.request_id,
+                    "session": facts.session.label,  # a hash, never the raw key
+                    "session_source": facts.session.source.value,
+                    "request_class": route.request_class.name,
+                    "primary": route.placement.primary,
+                    "secondary": route.placement.secondary,
+                    "kind": kind,
+                    "input_tokens": facts.input_tokens,
+                },
+            )
         return answer
 
     def _ready_clusters(self, runtime: Runtime) -> frozenset[str] | None:

@@ -228,3 +228,30 @@ def test_sigterm_drains_without_losing_requests_or_budget(
                 assert any(True for _ in r.scan_iter("fleet:*:state"))
             finally:
                 r.close()
+
+
+def test_debug_logs_carry_request_id_and_never_prompt_or_raw_session(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    stack = FleetStack(
+        tmp_path_factory.mktemp("logs"), clusters=2, processor_args=("--log-level", "debug")
+    )
+    with stack:
+        client = Client(stack.listener_port)
+        try:
+            secret_prompt = "my very private prompt text 12345"
+            status, _, _ = client.post_json(
+                CHAT,
+                _body(secret_prompt),
+                {"x-session-id": "raw-session-id-abc", "x-request-id": "req-42"},
+            )
+        finally:
+            client.close()
+        assert status == 200
+        wait_until(lambda: '"request_id":"req-42"' in stack.procs[0].log_text(), 5, "log line")
+        log = stack.procs[0].log_text()
+        line = next(ln for ln in log.splitlines() if '"request_id":"req-42"' in ln)
+        doc = orjson.loads(line)
+        assert doc["msg"] == "routed" and len(doc["session"]) == 16
+        assert secret_prompt not in log
+        assert "raw-session-id-abc" not in log
