@@ -4,7 +4,7 @@ Examples::
 
     extproc simulate --trace mooncake.jsonl --clusters 64 --sessions 250000 --json out.json
     extproc simulate --trace mooncake.jsonl --clusters 256 --sessions 1000000 --png out.png
-    extproc simulate --workload synthetic --clusters 8 --burst 0.2T,0.1T,0.5/c,150000
+    extproc simulate --workload synthetic --clusters 8 --burst 0.2T,0.1T,0.6x,150000
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="START,DUR,RATE,TOKENS",
-        help="long-context burst, e.g. 0.2T,0.1T,0.5/c,150000 (/c: per cluster)",
+        help="long-context burst, e.g. 0.8T,0.15T,0.6x,150000: RATE in req/s, /c per "
+        "cluster, or x = multiple of the fleet's prefill capacity",
     )
     script.add_argument(
         "--window",

@@ -452,8 +452,9 @@ def plot(summary: Mapping[str, Any], path: str | Path) -> None:
     )
     twin.set(ylabel="USD (input + output)")
     ax.set_xticks(xs, names, rotation=20, ha="right")
-    ax.legend(loc="upper left")
-    twin.legend(loc="upper right")
+    handles = ax.get_legend_handles_labels()
+    extra = twin.get_legend_handles_labels()
+    ax.legend(handles[0] + extra[0], handles[1] + extra[1], loc="upper center", fontsize=8)
 
     ax = axes[0][1]
     width = 0.8 / max(1, len(names))

@@ -10,13 +10,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from extproc.core.fleet import Budget, RequestClass
 from extproc.harness.trace import read_trace
 from extproc.harness.workload import WorkloadConfig, generate_workload
 from extproc.sim.engine import PolicyRun, Scenario, SimConfig, prepare, run_all
-from extproc.sim.events import Event, default_events
+from extproc.sim.events import Event, default_events, parse_event
 from extproc.sim.model import FleetShape, build_fleet
 from extproc.sim.policies import POLICIES
 from extproc.sim.report import summarize
@@ -67,15 +65,23 @@ def _time(text: str, period: float) -> float:
     return float(text[:-1]) * period if text.endswith("T") else float(text)
 
 
-def parse_burst(text: str, period: float, clusters: int) -> BurstSpec:
+def parse_burst(text: str, period: float, clusters: int, capacity_tps: float) -> BurstSpec:
+    """START,DURATION,RATE,TOKENS. RATE is requests/s; with ``/c`` per base cluster; with
+    ``x`` a multiple of the base fleet's prefill capacity (0.6x: the burst's prompts alone
+    would keep 60% of all prefill busy), so one spec is the same shock at any fleet size."""
     parts = text.split(",")
     if len(parts) != 4:
         raise ValueError(f"burst must be START,DURATION,RATE,TOKENS, got {text!r}")
-    start, duration, rate, tokens = parts
+    start, duration, rate, tokens = (p.strip() for p in parts)
     try:
-        per_cluster = rate.strip().endswith("/c")
-        rate_v = float(rate.strip().removesuffix("/c")) * (clusters if per_cluster else 1)
-        return BurstSpec(_time(start, period), _time(duration, period), rate_v, int(tokens))
+        n_tokens = int(tokens)
+        if rate.endswith("x"):
+            rate_v = float(rate[:-1]) * capacity_tps / max(1, n_tokens)
+        elif rate.endswith("/c"):
+            rate_v = float(rate[:-2]) * clusters
+        else:
+            rate_v = float(rate)
+        return BurstSpec(_time(start, period), _time(duration, period), rate_v, n_tokens)
     except ValueError as exc:
         raise ValueError(f"burst {text!r}: {exc}") from None
 
@@ -118,27 +124,24 @@ def build(options: SimOptions, base: BaseTraffic | None = None) -> Prepared:
     period = base.period
     shape = options.shape
     classes = classes_of(options)
-    bursts = [parse_burst(b, period, shape.clusters) for b in options.bursts]
     copies = copies_for(base, options.sessions) if options.sessions else 1
-    traffic = expand(base, copies, classes, bursts, options.seed)
-
-    # Offered prefill work if every cluster cached perfectly (trace requests only: a burst is
-    # overload by design), per second of the trace period.
-    tmpl = np.asarray(traffic.templates, dtype=np.int64)
-    trace_req = tmpl < len(base)
-    inputs = np.asarray(traffic.t_input, dtype=np.int64)[tmpl]
-    ideal = np.asarray(traffic.ideal_cached, dtype=np.int64)
-    prefill_per_s = float((inputs - ideal)[trace_req].sum()) / period
+    # Offered prefill work if every cluster cached perfectly, per second of the trace period
+    # (bursts excluded: they are overload by design). Copies of a base whose sessions share
+    # no prefix each offer exactly the base's work; otherwise this is the base's ideal, an
+    # estimate that is good enough for sizing.
+    uncached = sum(base.input_tokens) - sum(base.ideal_cached)
+    prefill_per_s = copies * uncached / period
     distinct_tokens = copies * base.n_keys * base.block_tokens
     clusters = build_fleet(shape, prefill_per_s, distinct_tokens)
+    capacity = sum(c.prefill_tps for c in clusters[: shape.clusters])
+    bursts = [parse_burst(b, period, shape.clusters, capacity) for b in options.bursts]
+    traffic = expand(base, copies, classes, bursts, options.seed)
 
     if options.events is None:
         if shape.spares < 1:
             raise ValueError("the default events add a cluster: give at least one spare")
         events: tuple[Event, ...] = default_events(shape.clusters, period)
     else:
-        from extproc.sim.events import parse_event
-
         events = tuple(parse_event(e, period) for e in options.events)
     scenario = prepare(traffic, clusters, shape.clusters, events)
     config = SimConfig(classes, options.max_retries, options.spill_wait_s, options.seed)

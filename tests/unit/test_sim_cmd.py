@@ -40,7 +40,7 @@ def test_simulate_writes_table_json_and_png(
     code = main(
         [
             "simulate", "--trace", str(trace), "--clusters", "6", "--sessions", "2000",
-            "--burst", "0.2T,0.1T,0.2/c,120000", "--jobs", "1",
+            "--burst", "0.2T,0.1T,0.5x,120000", "--jobs", "1",
             "--json", str(out_json), "--png", str(out_png),
         ]
     )  # fmt: skip

@@ -234,6 +234,18 @@ def test_bulkheads_shield_short_requests_from_a_long_context_burst() -> None:
     assert window["hash-2+bulkheads"]["short"]["rate_429"] == 0
 
 
+def test_burst_rates_in_requests_per_cluster_or_fleet_capacity() -> None:
+    _, _, prepared = simulate(
+        _options(events=(), bursts=("0.1T,20,0.5x,100000", "0.5T,20,2/c,100000"), policies=()),
+        base=_base(),
+    )
+    capacity = sum(c.prefill_tps for c in prepared.scenario.clusters[:8])
+    by_capacity, per_cluster = prepared.scenario.traffic.bursts
+    assert by_capacity.rate_per_s == pytest.approx(0.5 * capacity / 100_000)
+    assert per_cluster.rate_per_s == 16.0
+    assert prepared.windows == (by_capacity.window, per_cluster.window)
+
+
 def test_spill_moves_only_new_sessions_and_they_stay() -> None:
     _summary, runs, prepared = simulate(
         _options(events=(), policies=("hash-2+bulkheads+spill",), spill_wait_s=0.5),
