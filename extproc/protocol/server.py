@@ -72,6 +72,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._metrics = metrics
         self._gate = gate
         self._active = 0
+        self._answers = responses.RouteAnswers()
         self._clock = clock
         # Load-aware affinity state (used only while runtime.affinity.enabled). Its Redis store
         # is attached on first use, so a reload that turns affinity on needs no restart.
@@ -240,7 +241,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if runtime.config.processor.mode == "endpoint_picker":
             answer = self._pick(runtime, route, facts, api)
         else:
-            answer = responses.route_response(route, facts)
+            answer = self._answers.route(route, facts)
         self._metrics.decision_seconds.observe(self._clock() - started)
         if log.isEnabledFor(logging.DEBUG):  # per-request lines only when asked for
             log.debug(
