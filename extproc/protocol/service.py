@@ -41,7 +41,7 @@ from extproc.protocol.admin import AdminApp, start_admin
 from extproc.protocol.endpoint_health import EndpointHealth
 from extproc.protocol.server import FleetProcessor, RuntimeHolder
 from extproc.render.envoy import BUFFER_HEADROOM
-from extproc.render.envoy_dynamic import write_cds
+from extproc.render.envoy_dynamic import write_cds, write_cds_union
 
 log = logging.getLogger("extproc.serve")
 
@@ -64,6 +64,9 @@ class ServeOptions:
     worker_index: int = 0
     redis_url: str | None = None
     envoy_cds_path: str | None = None
+    # How long Envoy gets to apply a CDS file (watch, DNS, first health check) before the
+    # processor relies on it.
+    cds_settle_s: float = 2.0
     seed: int | None = None
 
 
@@ -146,7 +149,7 @@ class Service:
     def request_reload(self) -> None:
         self._reload_requested.set()
 
-    def reload(self) -> bool:
+    async def reload(self) -> bool:
         path = Path(self.opts.config_path)
         try:
             raw = _file_bytes(path)
@@ -164,14 +167,23 @@ class Service:
         old = self.holder.current.version
         if fresh.version == old:
             return True
+        cds = self.opts.envoy_cds_path
+        if cds:
+            # Envoy must know every cluster the processor may name before the processor names
+            # it, and keep every cluster an in-flight decision named until it is done: publish
+            # the union of old and new first, switch, and only then drop what the new config
+            # removed.
+            write_cds_union(self.holder.current, fresh, cds)
+            await asyncio.sleep(self.opts.cds_settle_s)
         self.holder.current = self._local_view(fresh)
         self.gate.publish_limits(self.holder.current)
         if self.endpoint_health is not None:
             self.endpoint_health.update(fresh.endpoints, _health_paths(fresh))
         self._set_version(old, fresh.version)
         self.metrics.config_reloads.labels("applied").inc()
-        if self.opts.envoy_cds_path:
-            write_cds(fresh, self.opts.envoy_cds_path)
+        if cds:
+            await asyncio.sleep(self.opts.cds_settle_s)
+            write_cds(fresh, cds)
         log.info(
             "config reloaded",
             extra={
@@ -215,7 +227,7 @@ class Service:
                 log.warning("cannot read config file", extra={"path": str(path), "error": str(exc)})
                 continue
             if signalled or changed:
-                self.reload()
+                await self.reload()
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def run(self) -> int:

@@ -70,3 +70,16 @@ def write_atomically(path: str | Path, text: str) -> None:
 def write_cds(runtime: Runtime, cds_path: str, opts: EnvoyOptions | None = None) -> None:
     _bootstrap, cds = split_bootstrap(runtime, cds_path, opts)
     write_atomically(cds_path, yaml.safe_dump(cds, sort_keys=False))
+
+
+def write_cds_union(
+    old: Runtime, new: Runtime, cds_path: str, opts: EnvoyOptions | None = None
+) -> None:
+    """A CDS file with the clusters of both configs (the new definition wins on a name clash):
+    the safe intermediate step of a reload (see extproc.protocol.service)."""
+    _b, old_cds = split_bootstrap(old, cds_path, opts)
+    _b, new_cds = split_bootstrap(new, cds_path, opts)
+    names = {r["name"] for r in new_cds["resources"]}
+    resources = new_cds["resources"] + [r for r in old_cds["resources"] if r["name"] not in names]
+    union = {"version_info": f"{old.version}+{new.version}", "resources": resources}
+    write_atomically(cds_path, yaml.safe_dump(union, sort_keys=False))
