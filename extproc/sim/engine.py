@@ -111,7 +111,7 @@ def prepare(
     clusters: tuple[ClusterSpec, ...],
     n_base: int,
     events: Sequence[Event],
-    depth: int = 4,
+    depth: int = 8,
 ) -> Scenario:
     names = [c.name for c in clusters]
     ordered = tuple(sorted(events, key=lambda e: e.time_s))
@@ -156,6 +156,8 @@ class PolicyRun:
     evictions: list[int]
     spilled_sessions: int
     leaked_tickets: int
+    # Decision kinds of extproc.core.affinity.place (primary, spilled, migrated, override, ...).
+    decisions: dict[str, int] = field(default_factory=dict)
 
 
 def run_policy(
@@ -186,6 +188,7 @@ def run_policy(
         secondary=table[:, 1].tolist() if table.shape[1] > 1 else [-1] * len(table),
         rng=rng,
         member=member,
+        names=names,
     )
 
     clock = [0.0]
@@ -384,6 +387,7 @@ def run_policy(
         evictions=[s.evictions for s in states],
         spilled_sessions=int(spilled),
         leaked_tickets=ledger.held(),
+        decisions=dict(getattr(policy, "kinds", {})),
     )
 
 

@@ -21,6 +21,11 @@ from types import MappingProxyType
 import numpy as np
 import numpy.typing as npt
 
+from extproc.core.affinity import AffinityParams, Override, SessionView, place
+from extproc.core.api import Api
+from extproc.core.facts import RequestFacts
+from extproc.core.keys import KeySource, hash_key
+from extproc.core.load import ClusterLoad, FleetSnapshot
 from extproc.sim.model import ClusterState
 
 Candidates = list[tuple[int, int]]
@@ -38,6 +43,7 @@ class FleetView:
     secondary: list[int]
     rng: Random
     member: list[bool] = field(default_factory=list)
+    names: tuple[str, ...] = ()
 
 
 class Policy:
@@ -185,11 +191,88 @@ class Spill(Bulkheads):
         return len(self._moved)
 
 
+class CoreAffinity(Bulkheads):
+    """The gateway's own load-aware affinity, ``extproc.core.affinity.place``, called per request.
+
+    Fed as the shell feeds it: the session's candidates in hash order (the first ``depth`` of
+    ``Rendezvous.ranked``, from the epoch table), a snapshot of each candidate's in-flight
+    requests (what this gateway routed there and has not seen finish) and health, whether the
+    session was seen within ``new_session_ttl_s``, and its override. No load reports (the
+    simulated clusters send none), so KV pressure never triggers; saturation and health do.
+    """
+
+    name = "hash-2+bulkheads+affinity"
+    description = (
+        "bulkheads + extproc.core.affinity.place: new sessions spill off saturated primaries, "
+        "sessions migrate off failed clusters, overrides with TTL"
+    )
+
+    def __init__(self, spill_wait_s: float = 2.0) -> None:
+        super().__init__(spill_wait_s)
+        self.params = AffinityParams(enabled=True)
+        # place() reads only the key's source (a header key is never hot-spread) from facts.
+        self._facts = RequestFacts(
+            Api.OPENAI_CHAT, "sim", hash_key(KeySource.HEADER, b"sim"), 1, None, None, True, 0
+        )
+        self._seen_at: dict[int, float] = {}
+        self._overrides: dict[int, Override] = {}
+        self._index: dict[str, int] = {}
+        self.kinds: dict[str, int] = {}
+
+    def route(self, view: FleetView, session: int, new: bool, now: float) -> Candidates:
+        if not self._index:
+            self._index = {n: i for i, n in enumerate(view.names)}
+        alive, states, names = view.alive, view.states, view.names
+        ranked_ix = [c for c in view.table[session].tolist() if c >= 0]
+        if not ranked_ix:
+            return super().route(view, session, new, now)
+        snapshot = FleetSnapshot(
+            {
+                names[c]: ClusterLoad(inflight=states[c].inflight(now), healthy=alive[c])
+                for c in ranked_ix
+            }
+        )
+        seen_at = self._seen_at.get(session)
+        seen = seen_at is not None and now - seen_at <= self.params.new_session_ttl_s
+        decision = place(
+            self._facts,
+            [names[c] for c in ranked_ix],
+            snapshot,
+            SessionView(seen, self._overrides.get(session)),
+            now,
+            self.params,
+        )
+        self._seen_at[session] = now
+        if decision.override_to_write is not None:
+            self._overrides[session] = decision.override_to_write
+        self.kinds[decision.kind] = self.kinds.get(decision.kind, 0) + 1
+        chosen = self._index[decision.placement.primary]
+        if alive[chosen]:
+            return [(chosen, chosen)]
+        # Every candidate is down: Envoy's failover, then its catch-all route.
+        secondary = decision.placement.secondary
+        if secondary is not None and alive[self._index[secondary]]:
+            return [(self._index[secondary], chosen)]
+        return _random_alive(view, chosen)
+
+    @property
+    def spilled(self) -> int:
+        return self.kinds.get("spilled", 0)
+
+
 # name -> policy class. The whole policy surface, in one visible, read-only table.
 POLICIES: Mapping[str, type[Policy]] = MappingProxyType(
     {
         cls.name: cls
-        for cls in (RoundRobin, LeastLoaded, PrimaryOnly, PrimarySecondary, Bulkheads, Spill)
+        for cls in (
+            RoundRobin,
+            LeastLoaded,
+            PrimaryOnly,
+            PrimarySecondary,
+            Bulkheads,
+            Spill,
+            CoreAffinity,
+        )
     }
 )
 

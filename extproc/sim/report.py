@@ -257,6 +257,7 @@ def summarize(
             else None,
             "failures": [_failure(f, scenario, seed) for f in run.failures],
             "spilled_sessions": run.spilled_sessions,
+            "affinity_decisions": dict(sorted(run.decisions.items())),
             "leaked_tickets": run.leaked_tickets,
             "timeline_short_p99_s": _timeline(run, arr, short_ix, edges),
         }
@@ -352,13 +353,13 @@ def format_table(summary: Mapping[str, Any]) -> str:
         + (", ".join(summary["events"]) or "none"),
         "",
     ]
-    head = f"{'policy':<24}{'hit':>6}"
+    head = f"{'policy':<27}{'hit':>6}"
     for c in classes:
         head += f"{c + ' p50/p99 s':>20}{'SLO':>6}{'429%':>7}"
     head += f"{'input $':>10}{'total $':>10}{'refill max/mean':>17}"
     lines.append(head)
     for name, p in summary["policies"].items():
-        row = f"{name:<24}{_fmt(p['hit_ratio'], 100, 1):>6}"
+        row = f"{name:<27}{_fmt(p['hit_ratio'], 100, 1):>6}"
         for c in classes:
             st = p["classes"][c]
             pp = f"{_fmt(st['ttft_p50_s'])}/{_fmt(st['ttft_p99_s'])}"
@@ -388,7 +389,7 @@ def format_table(summary: Mapping[str, Any]) -> str:
                 f" (n={p['window'][c]['requests']}, 429 {_fmt(p['window'][c]['rate_429'], 100)}%)"
                 for c in classes
             ]
-            lines.append(f"  {name:<24}" + "; ".join(parts))
+            lines.append(f"  {name:<27}" + "; ".join(parts))
     if summary["remapped"]:
         lines.append("")
         for r in summary["remapped"]:

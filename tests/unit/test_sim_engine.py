@@ -28,6 +28,7 @@ ALL = (
     "hash-2",
     "hash-2+bulkheads",
     "hash-2+bulkheads+spill",
+    "hash-2+bulkheads+affinity",
 )
 
 
@@ -106,7 +107,7 @@ def test_simulator_agrees_with_clustermodel_instances_on_the_mooncake_trace() ->
 
 
 def test_same_seed_same_json_and_worker_processes_change_nothing() -> None:
-    options = _options(policies=("least-loaded", "hash-2+bulkheads+spill"))
+    options = _options(policies=("least-loaded", "hash-2+bulkheads+spill", ALL[-1]))
     first, _, _ = simulate(options, base=_base())
     again, _, _ = simulate(options, base=_base())
     forked, _, _ = simulate(options, jobs=2, base=_base())
@@ -162,7 +163,7 @@ def test_affinity_beats_round_robin_on_hits_and_cost(events_run: tuple) -> None:
     summary, _, _ = events_run
     pol = summary["policies"]
     ideal = summary["workload"]["ideal_hit_ratio"]
-    for name in ("hash-primary", "hash-2", "hash-2+bulkheads", "hash-2+bulkheads+spill"):
+    for name in ALL[2:]:
         assert pol[name]["hit_ratio"] > 2 * pol["round-robin"]["hit_ratio"]
         assert pol[name]["trace_hit_ratio"] <= ideal
         assert pol[name]["cost_usd"]["input"] < pol["round-robin"]["cost_usd"]["input"]
@@ -174,7 +175,7 @@ def test_no_budget_means_no_429_and_budgets_only_refuse_their_class(events_run: 
         for stats in summary["policies"][name]["classes"].values():
             assert stats["rate_429"] == 0
     # Only the long class has a budget by default.
-    for name in ("hash-2+bulkheads", "hash-2+bulkheads+spill"):
+    for name in ALL[4:]:
         classes = summary["policies"][name]["classes"]
         assert classes["short"]["rate_429"] == 0 and classes["medium"]["rate_429"] == 0
 
@@ -202,6 +203,23 @@ def test_a_failed_clusters_sessions_move_to_their_secondary() -> None:
         pol["hash-2"]["failures"][0]["reprefill_tokens"]
         < (pol["hash-primary"]["failures"][0]["reprefill_tokens"])
     )
+
+
+def test_core_affinity_migrates_off_a_failed_cluster_and_keeps_sessions_there() -> None:
+    policies = ("hash-2", "hash-2+bulkheads+affinity")
+    summary, runs, _ = simulate(
+        _options(events=("fail:c2@0.2T", "recover:c2@0.4T"), policies=policies), base=_base()
+    )
+    decisions = runs["hash-2+bulkheads+affinity"].decisions
+    # extproc.core.affinity.place decided every request: migrations off the dead c2, then the
+    # overrides it wrote keep those sessions where their cache now is.
+    assert sum(decisions.values()) >= len(_base())
+    assert decisions["migrated"] > 0 and decisions["override"] > 0
+    pol = summary["policies"]
+    (plain,) = pol["hash-2"]["failures"]
+    (aware,) = pol["hash-2+bulkheads+affinity"]["failures"]
+    # After the recovery, hash-2 sends them back to an empty c2; the overrides do not.
+    assert aware["failback_reprefill_tokens"] < plain["failback_reprefill_tokens"]
 
 
 def test_remapped_share_on_add_and_remove_is_about_one_over_n(events_run: tuple) -> None:
