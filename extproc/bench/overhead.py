@@ -424,6 +424,31 @@ def _row(r: WrkResult) -> str:
     )
 
 
+def _against_extproc(
+    by: dict[tuple[str, str, int], WrkResult], others: list[str], head: str, with_ratio: bool
+) -> list[str]:
+    """A table of the extproc set-up beside other set-ups of it (workers, variants)."""
+    if not others:
+        return []
+    ratio_head = " | ratio to 1 worker" if with_ratio else ""
+    lines = [
+        "",
+        f"| body | conns | {head}{' / '.join(others)}{ratio_head} | p50 ms | CPU us/req |",
+        "|---|---|---|---|---|" + ("---|" if with_ratio else ""),
+    ]
+    for (setup, size, conns), one in by.items():
+        if setup != "extproc":
+            continue
+        rows = [one] + [by[(x, size, conns)] for x in others if (x, size, conns) in by]
+        cells = [size, str(conns), " / ".join(f"{r.rps:.0f}" for r in rows)]
+        if with_ratio:
+            cells.append(" / ".join(f"{r.rps / one.rps:.2f}" for r in rows))
+        cells.append(" / ".join(f"{r.p50_ms:.3f}" for r in rows))
+        cells.append(" / ".join(f"{r.proc_cpu_us_per_req or 0:.0f}" for r in rows))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def summarize(results: list[WrkResult]) -> list[str]:
     by = {(r.setup, r.size, r.connections): r for r in results}
     lines = [
@@ -454,51 +479,9 @@ def summarize(results: list[WrkResult]) -> list[str]:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     multi = sorted({r.setup for r in results if r.setup.startswith(WORKER_SETUP)})
-    if multi:
-        lines += [
-            "",
-            "| body | conns | rps: extproc (1 worker) / "
-            + " / ".join(multi)
-            + " | ratio to 1 worker | p50 ms | CPU us/req |",
-            "|---|---|---|---|---|---|",
-        ]
-        for (setup, size, conns), one in by.items():
-            if setup != "extproc":
-                continue
-            rows = [one] + [by[(m, size, conns)] for m in multi if (m, size, conns) in by]
-            lines.append(
-                f"| {size} | {conns} | "
-                + " / ".join(f"{r.rps:.0f}" for r in rows)
-                + " | "
-                + " / ".join(f"{r.rps / one.rps:.2f}" for r in rows)
-                + " | "
-                + " / ".join(f"{r.p50_ms:.3f}" for r in rows)
-                + " | "
-                + " / ".join(f"{r.proc_cpu_us_per_req or 0:.0f}" for r in rows)
-                + " |"
-            )
+    lines += _against_extproc(by, multi, "rps: extproc (1 worker) / ", with_ratio=True)
     extras = sorted({r.setup for r in results if "+" in r.setup})
-    if extras:
-        lines += [
-            "",
-            "| body | conns | rps: extproc / "
-            + " / ".join(extras)
-            + " | p50 ms | processor CPU us/req |",
-            "|---|---|---|---|---|",
-        ]
-        for (setup, size, conns), one in by.items():
-            if setup != "extproc":
-                continue
-            rows = [one] + [by[(x, size, conns)] for x in extras if (x, size, conns) in by]
-            lines.append(
-                f"| {size} | {conns} | "
-                + " / ".join(f"{r.rps:.0f}" for r in rows)
-                + " | "
-                + " / ".join(f"{r.p50_ms:.3f}" for r in rows)
-                + " | "
-                + " / ".join(f"{r.proc_cpu_us_per_req or 0:.0f}" for r in rows)
-                + " |"
-            )
+    lines += _against_extproc(by, extras, "rps: extproc / ", with_ratio=False)
     return lines
 
 

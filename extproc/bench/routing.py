@@ -333,14 +333,7 @@ def run_setup(
         )
 
     stack = make_stack()
-    try:
-        stack.start()
-    except (TimeoutError, RuntimeError) as exc:
-        # FleetStack picks free ports, then the processes bind them: on a shared machine another
-        # process can take one in between (seen: Envoy "Address already in use"). New ports.
-        print(f"fleet start failed ({exc}); retrying once with new ports", file=sys.stderr)
-        stack = make_stack()
-        stack.start()
+    stack.start()  # FleetStack retries once with fresh ports on a start failure
     try:
         ready = time.monotonic()
         result = _run(run_replay(workload.requests, stack.url, options))

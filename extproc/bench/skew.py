@@ -248,14 +248,7 @@ def run_setup(
         )
 
     stack = make_stack()
-    try:
-        stack.start()
-    except (TimeoutError, RuntimeError) as exc:
-        # FleetStack picks free ports before the processes bind them; on a shared machine one
-        # can be taken in between, or handed out twice (seen: two sims on one port). New ports.
-        print(f"fleet start failed ({exc}); retrying once with new ports", file=sys.stderr)
-        stack = make_stack()
-        stack.start()
+    stack.start()  # FleetStack retries once with fresh ports on a start failure
     try:
         admin = Client(stack.sim_specs[fleet.slow_cluster].port)
         try:
