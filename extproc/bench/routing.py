@@ -49,7 +49,13 @@ from extproc.harness.replay import (
     run_replay,
     write_json,
 )
-from extproc.harness.trace import TraceRequest, ideal_hit_ratio, read_trace, trace_to_requests
+from extproc.harness.trace import (
+    TraceRequest,
+    ideal_hit_ratio,
+    read_trace,
+    trace_to_requests,
+    working_set_tokens,
+)
 from extproc.harness.workload import BurstSpec, ReplayRequest, WorkloadConfig, generate_workload
 from extproc.render.envoy import Mode
 
@@ -189,21 +195,6 @@ class Workload:
         return blocks_ideal([self.prompt_blocks[i] for i in chosen])
 
 
-def _trace_working_set(requests: Sequence[TraceRequest]) -> int:
-    """Distinct chained prefixes (a trie over block ids), in tokens."""
-    ids: dict[tuple[int, int], int] = {}
-    for request in requests:
-        node = 0
-        for block_id in request.hash_ids:
-            key = (node, block_id)
-            child = ids.get(key)
-            if child is None:
-                child = len(ids) + 1
-                ids[key] = child
-            node = child
-    return len(ids) * BLOCK_TOKENS
-
-
 def trace_workload(path: Path, max_requests: int | None, seed: int, share: float) -> Workload:
     trace = read_trace(path)
     for issue in trace.issues[:10]:
@@ -222,7 +213,7 @@ def trace_workload(path: Path, max_requests: int | None, seed: int, share: float
         requests=tuple(requests),
         burst_windows=(),
         ideal_source="trace.ideal_hit_ratio: block ids, one infinite cache",
-        unique_tokens=_trace_working_set(selected),
+        unique_tokens=working_set_tokens(selected),
         trace_requests=tuple(selected),
     )
 

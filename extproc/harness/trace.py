@@ -113,16 +113,12 @@ def read_trace(path: str | Path) -> Trace:
         return parse_trace(handle, source=str(path))
 
 
-def ideal_hit_ratio(requests: Sequence[TraceRequest]) -> float:
-    """Token-weighted hit ratio of one infinite prefix cache serving the whole trace in order.
-
-    A block counts as cached only if the whole prefix up to it was seen before, so blocks are
-    keyed by their chain (a trie over ids), not by the id alone. Cached tokens of a request are
-    its leading run of seen blocks, 512 tokens each except a final partial block.
-    """
+def _prefix_walk(requests: Sequence[TraceRequest]) -> tuple[list[int], int]:
+    """Walk the trace through one trie of chained block ids (a block is identified by the whole
+    prefix up to it, not by its id alone): per request, the leading run of blocks already seen;
+    and the number of distinct prefix blocks in the whole trace."""
     trie: dict[tuple[int, int], int] = {}
-    cached_total = 0
-    prompt_total = 0
+    leading_runs: list[int] = []
     for request in requests:
         node = 0
         leading = 0
@@ -137,9 +133,28 @@ def ideal_hit_ratio(requests: Sequence[TraceRequest]) -> float:
             elif still_hitting:
                 leading += 1
             node = child
-        cached_total += min(leading * BLOCK_TOKENS, request.input_length)
-        prompt_total += request.input_length
+        leading_runs.append(leading)
+    return leading_runs, len(trie)
+
+
+def ideal_hit_ratio(requests: Sequence[TraceRequest]) -> float:
+    """Token-weighted hit ratio of one infinite prefix cache serving the whole trace in order.
+
+    Cached tokens of a request are its leading run of blocks seen before, 512 tokens each
+    except a final partial block.
+    """
+    leading_runs, _distinct = _prefix_walk(requests)
+    cached_total = sum(
+        min(leading * BLOCK_TOKENS, r.input_length)
+        for leading, r in zip(leading_runs, requests, strict=True)
+    )
+    prompt_total = sum(r.input_length for r in requests)
     return cached_total / prompt_total if prompt_total else 0.0
+
+
+def working_set_tokens(requests: Sequence[TraceRequest]) -> int:
+    """Tokens of distinct prefix blocks: what a fleet must hold to cache every prefix once."""
+    return _prefix_walk(requests)[1] * BLOCK_TOKENS
 
 
 def trace_to_requests(
