@@ -302,28 +302,27 @@ def _quotas(demand: Demand, usage: Usage | None, waits: dict[Reason, float]) -> 
             return None
         return min(MAX_RETRY_AFTER_S, max(1, math.ceil(waits[reason])))
 
-    if lim.max_inflight_tokens:
-        remaining = lim.max_inflight_tokens - (usage.inflight_tokens if usage else 0)
-        out.append(
-            Quota(
-                f"{name}-inflight",
-                lim.max_inflight_tokens,
-                "tokens",
-                max(0, remaining),
-                reset_s=reset(Reason.INFLIGHT_TOKENS),
+    caps = (
+        (
+            "inflight",
+            lim.max_inflight_tokens,
+            usage.inflight_tokens if usage else 0,
+            "tokens",
+            Reason.INFLIGHT_TOKENS,
+        ),
+        (
+            "concurrency",
+            lim.max_concurrent,
+            usage.concurrent if usage else 0,
+            "concurrent-requests",
+            Reason.CONCURRENCY,
+        ),
+    )
+    for suffix, cap, used, unit, reason in caps:
+        if cap:
+            out.append(
+                Quota(f"{name}-{suffix}", cap, unit, max(0, cap - used), reset_s=reset(reason))
             )
-        )
-    if lim.max_concurrent:
-        remaining = lim.max_concurrent - (usage.concurrent if usage else 0)
-        out.append(
-            Quota(
-                f"{name}-concurrency",
-                lim.max_concurrent,
-                "concurrent-requests",
-                max(0, remaining),
-                reset_s=reset(Reason.CONCURRENCY),
-            )
-        )
     if lim.burst_tokens:
         level = usage.bucket_tokens if usage else float(lim.burst_tokens)
         out.append(
