@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 # verb -> (module, one-line help). The whole command surface, in one visible table.
 VERBS: dict[str, tuple[str, str]] = {
-    "serve": ("extproc.protocol.serve_cmd", "run the ext_proc gRPC service"),
+    "serve": ("extproc.serve.cmd", "run the ext_proc gRPC service"),
     "envoy": ("extproc.render.envoy_cmd", "print the Envoy bootstrap rendered from fleet.yaml"),
     "gateway": ("extproc.render.gateway_cmd", "print Kubernetes / Gateway API manifests"),
     "explain": ("extproc.explain", "show the decision for a session id or a request body"),

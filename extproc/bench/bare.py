@@ -13,7 +13,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from extproc.protocol.serve_cmd import GRPC_EXPERIMENTS
+from extproc.serve.cmd import GRPC_EXPERIMENTS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
-    from extproc.protocol.service import grpc_options
+    from extproc.serve.service import grpc_options
 
     headers_answer = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
     common = ep.CommonResponse(clear_route_cache=True)

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from extproc.config.runtime import Runtime, compile_runtime
 from extproc.config.schema import RESERVED_CLUSTER_NAMES, ClassConfig, FleetConfig
+from extproc.names import FLEET_HEADER_PREFIX
 
 
 class ConfigError(ValueError):
@@ -61,10 +62,6 @@ def _describe(err: dict[str, object]) -> str:
     elif template and "{" not in template:
         return template
     return str(err.get("msg", "invalid"))
-
-
-# The processor's own headers (extproc.protocol.names.FLEET_HEADERS) share this prefix.
-FLEET_HEADER_PREFIX = "x-fleet-"
 
 
 def _shadows(earlier: ClassConfig, later: ClassConfig) -> bool:

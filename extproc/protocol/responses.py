@@ -14,14 +14,14 @@ from extproc.core.admission import Reject, rate_limit_headers
 from extproc.core.api import BadRequest, ErrorStyle
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
-from extproc.protocol.errors import error_body
-from extproc.protocol.names import (
+from extproc.names import (
     CLASS_HEADER,
     PRIMARY_HEADER,
     ROUTE_HEADER,
     SECONDARY_HEADER,
     SESSION_HEADER,
 )
+from extproc.protocol.errors import error_body
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 

@@ -29,9 +29,9 @@ from extproc.core.placement import mix64
 from extproc.core.usage import Prices, SseUsageScanner, Usage, usage_from_body
 from extproc.ledger.gate import AdmissionGate
 from extproc.metrics import Metrics
+from extproc.pipeline.endpoint_health import EndpointHealth
+from extproc.pipeline.fleet_state import FleetState, RedisSessions
 from extproc.protocol import responses
-from extproc.protocol.endpoint_health import EndpointHealth
-from extproc.protocol.fleet_state import FleetState, RedisSessions
 from extproc.protocol.state import StreamState
 
 log = logging.getLogger("extproc.server")

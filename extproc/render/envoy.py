@@ -19,16 +19,13 @@ from typing import Any, Literal
 
 from extproc.config.runtime import Runtime
 from extproc.core.fleet import Cluster
-from extproc.protocol.names import FLEET_HEADERS, ROUTE_HEADER
+from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, ROUTE_HEADER
 
 Mode = Literal["extproc", "round_robin", "ring_hash"]
 MODES: tuple[Mode, ...] = ("extproc", "round_robin", "ring_hash")
 
 FALLBACK_CLUSTER = "all_clusters"
 EXTPROC_CLUSTER = "extproc"
-# Headroom above the processor's own body limit so that the processor, not Envoy, answers an
-# oversized body (with a JSON 413 in the API's format instead of Envoy's plain-text one).
-BUFFER_HEADROOM = 1 << 20
 
 Json = dict[str, Any]
 

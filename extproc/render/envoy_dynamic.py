@@ -76,7 +76,7 @@ def write_cds_union(
     old: Runtime, new: Runtime, cds_path: str, opts: EnvoyOptions | None = None
 ) -> None:
     """A CDS file with the clusters of both configs (the new definition wins on a name clash):
-    the safe intermediate step of a reload (see extproc.protocol.service)."""
+    the safe intermediate step of a reload (see extproc.serve.service)."""
     _b, old_cds = split_bootstrap(old, cds_path, opts)
     _b, new_cds = split_bootstrap(new, cds_path, opts)
     names = {r["name"] for r in new_cds["resources"]}

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from extproc.config.runtime import Runtime
 from extproc.core.fleet import Cluster
-from extproc.protocol.names import FLEET_HEADERS, ROUTE_HEADER
+from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, ROUTE_HEADER
 
 Json = dict[str, Any]
 Mode = Literal["envoy-gateway", "inference-pool", "all"]
@@ -61,9 +61,6 @@ INFERENCE = "inference.networking.k8s.io"
 MAX_RULES_PER_ROUTE = 16
 # Envoy Gateway: at most 256 endpoints per Backend (CRD maxItems).
 MAX_BACKEND_ENDPOINTS = 256
-# Headroom above the processor's own body limit so that the processor, not Envoy, answers an
-# oversized body (same reason as render/envoy.py BUFFER_HEADROOM).
-BUFFER_HEADROOM = 1 << 20
 RETRY_ON = ("connect-failure", "reset", "refused-stream", "gateway-error")
 
 _FQDN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\.?$")

@@ -28,15 +28,15 @@ from extproc.core.keys import KeySource, hash_key
 from extproc.core.load import LoadReport
 from extproc.core.placement import Placement
 from extproc.metrics import Metrics
-from extproc.protocol.fleet_state import (
+from extproc.names import PRIMARY_HEADER
+from extproc.pipeline.fleet_state import (
     PROBE_INTERVAL_S,
     FleetState,
     RedisSessions,
     SessionMemory,
 )
-from extproc.protocol.names import PRIMARY_HEADER
 from extproc.protocol.server import FleetProcessor, RuntimeHolder
-from extproc.protocol.service import grpc_options
+from extproc.serve.service import grpc_options
 from tests.support.redis_server import RedisServer
 
 CHAT = "/v1/chat/completions"

@@ -1,6 +1,6 @@
 """The ext_proc servicer over a real grpc.aio server and channel, driven by scripted streams.
 
-Each test starts FleetProcessor on 127.0.0.1 port 0, wired like extproc/protocol/service.py,
+Each test starts FleetProcessor on 127.0.0.1 port 0, wired like extproc/serve/service.py,
 and plays Envoy: request_headers (pseudo-headers as raw_value bytes), then request_body with
 end_of_stream=True, one answer per message.
 """
@@ -28,7 +28,8 @@ from extproc.config.runtime import Runtime
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.metrics import Metrics
-from extproc.protocol.names import (
+from extproc.names import (
+    BUFFER_HEADROOM,
     CLASS_HEADER,
     FLEET_HEADERS,
     PRIMARY_HEADER,
@@ -37,8 +38,7 @@ from extproc.protocol.names import (
     SESSION_HEADER,
 )
 from extproc.protocol.server import FleetProcessor, RuntimeHolder
-from extproc.protocol.service import grpc_options
-from extproc.render.envoy import BUFFER_HEADROOM
+from extproc.serve.service import grpc_options
 
 ROOT = Path(__file__).resolve().parents[2]
 CANONICAL = ROOT / "compose" / "fleet.yaml"

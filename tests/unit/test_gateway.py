@@ -28,7 +28,7 @@ import yaml
 from extproc import cli
 from extproc.config import Runtime, compile_runtime, load_config, parse_config
 from extproc.core.placement import Placement
-from extproc.protocol.names import FLEET_HEADERS, ROUTE_HEADER
+from extproc.names import FLEET_HEADERS, ROUTE_HEADER
 from extproc.render.gateway import (
     GatewayOptions,
     GatewayRenderError,

@@ -15,9 +15,8 @@ import yaml
 
 from extproc.config import compile_runtime, load_runtime, parse_config
 from extproc.config.runtime import Runtime
-from extproc.protocol.names import FLEET_HEADERS, ROUTE_HEADER
+from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, ROUTE_HEADER
 from extproc.render.envoy import (
-    BUFFER_HEADROOM,
     EXTPROC_CLUSTER,
     FALLBACK_CLUSTER,
     MODES,

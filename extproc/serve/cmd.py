@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     workers = _workers(args)
     if workers > 1 and args.worker_index == 0 and "--worker-index" not in sys.argv:
         return _supervise(args, workers)
-    from extproc.protocol.service import ServeOptions, serve_forever
+    from extproc.serve.service import ServeOptions, serve_forever
 
     return serve_forever(
         ServeOptions(

@@ -37,11 +37,11 @@ from extproc.explain import explain_request
 from extproc.ledger.gate import AdmissionGate, build_gate
 from extproc.logs import setup_logging
 from extproc.metrics import Metrics
-from extproc.protocol.admin import AdminApp, start_admin
-from extproc.protocol.endpoint_health import EndpointHealth
+from extproc.names import BUFFER_HEADROOM
+from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.protocol.server import FleetProcessor, RuntimeHolder
-from extproc.render.envoy import BUFFER_HEADROOM
 from extproc.render.envoy_dynamic import write_cds, write_cds_union
+from extproc.serve.admin import AdminApp, start_admin
 
 log = logging.getLogger("extproc.serve")
 

@@ -1,0 +1,1 @@
+"""The decision pipeline between the protocol shell and the pure core."""

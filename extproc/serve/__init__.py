@@ -1,0 +1,1 @@
+"""Process wiring for `extproc serve`: gRPC server, admin HTTP, reload, shutdown."""
