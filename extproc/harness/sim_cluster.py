@@ -8,7 +8,10 @@ real OpenAI-compatible / Anthropic-compatible backend:
   (in streams: the last event before the terminator, like ``stream_options.include_usage``);
 - ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``;
 - ``POST /admin/fault`` to inject failures: ``none`` | ``refuse`` | ``error`` | ``slow`` |
-  ``hang`` (``GET`` shows the current one).
+  ``hang`` (``GET`` shows the current one);
+- ``GET /admin/concurrency``: requests in flight, peak and total per request class (the
+  processor's ``x-fleet-class``), how tests prove budgets at the upstream; ``DELETE`` restarts
+  the peaks.
 
 Every response names the cluster in ``x-served-by`` (how e2e tests and the replayer see where
 Envoy routed a request) and every inference response carries a load report twice: the ORCA
@@ -36,6 +39,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 
+from extproc.harness.class_concurrency import CLASS_HEADER, ClassConcurrency
 from extproc.harness.kvmodel import ClusterModel, ClusterParams, LoadSnapshot, ModelRequest, Plan
 from extproc.harness.prompts import (
     ApiKind,
@@ -268,6 +272,7 @@ class SimCluster:
         self._unhang = asyncio.Event()
         self._unhang.set()
         self._closing = False
+        self.concurrency = ClassConcurrency()
 
     @property
     def fault(self) -> Fault:
@@ -298,6 +303,8 @@ class SimCluster:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/admin/fault", self._set_fault)
         app.router.add_get("/admin/fault", self._get_fault)
+        app.router.add_get("/admin/concurrency", self._get_concurrency)
+        app.router.add_delete("/admin/concurrency", self._reset_concurrency)
         return app
 
     # -- small endpoints -------------------------------------------------------------------
@@ -337,6 +344,13 @@ class SimCluster:
             return web.json_response({"error": str(exc)}, status=400)
         self.set_fault(fault)
         return web.json_response(fault.to_json(), headers=self._base_headers())
+
+    async def _get_concurrency(self, request: web.Request) -> web.Response:
+        return web.json_response(self.concurrency.snapshot(), headers=self._base_headers())
+
+    async def _reset_concurrency(self, request: web.Request) -> web.Response:
+        self.concurrency.reset_peaks()
+        return web.json_response(self.concurrency.snapshot(), headers=self._base_headers())
 
     # -- inference ---------------------------------------------------------------------------
 
@@ -378,6 +392,10 @@ class SimCluster:
         )
 
     async def _inference(self, request: web.Request, api: ApiKind) -> web.StreamResponse:
+        with self.concurrency.track(request.headers.get(CLASS_HEADER, "")):
+            return await self._serve(request, api)
+
+    async def _serve(self, request: web.Request, api: ApiKind) -> web.StreamResponse:
         while self._fault.mode == "hang" and not self._closing:
             await self._unhang.wait()
         if self._closing:

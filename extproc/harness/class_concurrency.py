@@ -1,0 +1,46 @@
+"""Requests in flight per request class, as an upstream sees them.
+
+The processor names each admitted request's class in ``x-fleet-class`` (Envoy strips a
+client-sent value). Counting at the upstream, for the whole time its handler runs (a streamed
+response included), is what proves a budget from the outside: if the gateway released a budget
+while its request was still running, the upstream would see more requests of that class at once
+than the budget allows. Requests that reach the upstream without the header did not pass through
+the processor's admission (the fail-open fallback route); they are counted under ``""``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+# The processor's class header (extproc.protocol.names.CLASS_HEADER); repeated here so the
+# simulated engine depends on nothing of the gateway's.
+CLASS_HEADER = "x-fleet-class"
+
+
+@dataclass(slots=True)
+class ClassConcurrency:
+    inflight: dict[str, int] = field(default_factory=dict)
+    peak: dict[str, int] = field(default_factory=dict)
+    total: dict[str, int] = field(default_factory=dict)
+
+    @contextmanager
+    def track(self, request_class: str) -> Iterator[None]:
+        now = self.inflight.get(request_class, 0) + 1
+        self.inflight[request_class] = now
+        self.total[request_class] = self.total.get(request_class, 0) + 1
+        if now > self.peak.get(request_class, 0):
+            self.peak[request_class] = now
+        try:
+            yield
+        finally:
+            self.inflight[request_class] -= 1
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        return {"inflight": dict(self.inflight), "peak": dict(self.peak), "total": dict(self.total)}
+
+    def reset_peaks(self) -> None:
+        """Start a new measurement: peaks restart from what is in flight now."""
+        self.peak = {k: v for k, v in self.inflight.items() if v}
+        self.total = {}
