@@ -378,6 +378,32 @@ class FleetStack:
 
         wait_until(check, timeout, f"envoy to see {list(names)} healthy={healthy}", 0.1)
 
+    def wait_processor_health(self, index: int, healthy: bool = True, timeout: float = 20) -> None:
+        """Wait until Envoy's health checks of the extproc cluster see replica ``index`` so."""
+        key = ("extproc", f"{LOOPBACK}:{self.grpc_ports[index]}")
+        wait_until(
+            lambda: self.host_health().get(key) is healthy,
+            timeout,
+            f"envoy to see processor {index} healthy={healthy}",
+            0.1,
+        )
+
+    def roll_processor(self, index: int, exit_timeout: float = 60) -> int | None:
+        """One step of a rolling restart: SIGTERM replica ``index``, wait for it to finish
+        draining and exit, start it again on the same port, and wait until Envoy's health
+        checks count it healthy (only then may the next replica go). Returns the exit code."""
+        old = self.procs[index]
+        old.signal(signal.SIGTERM)
+        assert old.popen is not None
+        try:
+            code = old.popen.wait(exit_timeout)
+        except subprocess.TimeoutExpired:
+            old.kill()
+            raise
+        self.start_processor(index)
+        self.wait_processor_health(index)
+        return code
+
     def envoy_stat(self, name: str) -> int:
         """One counter or gauge from Envoy's admin /stats (0 when Envoy has not created it)."""
         _status, body = http_get(self.admin_port, f"/stats?filter=^{name}$")
