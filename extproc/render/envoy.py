@@ -265,7 +265,12 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
                     "SEND" if runtime.config.affinity.enabled or proc.inspect_usage else "SKIP"
                 ),
                 "response_body_mode": "BUFFERED" if proc.inspect_usage else "NONE",
-                "request_trailer_mode": "SKIP",
+                # SEND: Envoy sends a trailers message only for requests that have trailers
+                # (no cost otherwise). A request of headers then trailers carries no body message
+                # at all: without this the processor would never see it and it would pass
+                # unplaced and unbudgeted. (A body followed by trailers arrives whole, with
+                # end_of_stream=false, before the trailers message.)
+                "request_trailer_mode": "SEND",
                 "response_trailer_mode": "SKIP",
             },
             **extra,
