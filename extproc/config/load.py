@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from extproc.config.label_secret import LabelSecretError
 from extproc.config.runtime import Runtime, compile_runtime
 from extproc.config.schema import RESERVED_CLUSTER_NAMES, ClassConfig, FleetConfig
 from extproc.names import FLEET_HEADER_PREFIX
@@ -209,10 +210,17 @@ def load_config(path: str | Path) -> tuple[FleetConfig, bytes]:
     return parse_yaml(raw, str(p)), raw
 
 
+def _compile(cfg: FleetConfig, raw: bytes, source: str) -> Runtime:
+    try:
+        return compile_runtime(cfg, raw)
+    except LabelSecretError as exc:
+        raise ConfigError(source, [str(exc)]) from None
+
+
 def runtime_from_bytes(raw: bytes, source: str) -> Runtime:
-    return compile_runtime(parse_yaml(raw, source), raw)
+    return _compile(parse_yaml(raw, source), raw, source)
 
 
 def load_runtime(path: str | Path) -> Runtime:
     cfg, raw = load_config(path)
-    return compile_runtime(cfg, raw)
+    return _compile(cfg, raw, str(path))

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from extproc.config.label_secret import resolve_label_secret
 from extproc.config.schema import AffinityConfig, FleetConfig
 from extproc.core.affinity import AffinityParams
 from extproc.core.decide import Policy
@@ -28,6 +29,7 @@ class Runtime:
     parse_limits: ParseLimits
     endpoints: Mapping[str, tuple[str, ...]]
     affinity: AffinityParams = field(default_factory=AffinityParams)
+    label_secret_source: str = "process"  # file | env | process (extproc.config.label_secret)
 
     @property
     def cluster_names(self) -> tuple[str, ...]:
@@ -62,6 +64,7 @@ def compile_runtime(cfg: FleetConfig, raw: bytes | None = None) -> Runtime:
         for cls in classes
     }
     material = raw if raw is not None else cfg.model_dump_json().encode()
+    label_secret = resolve_label_secret(cfg.session)
     return Runtime(
         config=cfg,
         version=hashlib.sha256(material).hexdigest()[:12],
@@ -74,10 +77,12 @@ def compile_runtime(cfg: FleetConfig, raw: bytes | None = None) -> Runtime:
             system_chars=cfg.prefix.system_chars,
             first_message_chars=cfg.prefix.first_message_chars,
             prompt_chars=cfg.prefix.prompt_chars,
+            label_secret=label_secret.value,
         ),
         parse_limits=ParseLimits(cfg.processor.max_body_bytes, cfg.prefix.bytes_per_token),
         endpoints=MappingProxyType({c.name: c.endpoints for c in clusters}),
         affinity=affinity_params(cfg.affinity),
+        label_secret_source=label_secret.source,
     )
 
 

@@ -76,6 +76,10 @@ class SessionConfig(Strict):
     ]
     # Trusted tenant-tier header, set by the auth layer; selects tier-specific classes.
     tier_header: HeaderName | None = None
+    # The fleet secret that keys session labels (extproc.config.label_secret): read from this
+    # file if set, else from this environment variable, else drawn at random per process.
+    label_secret_file: str | None = None
+    label_secret_env: str | None = "FLEET_SESSION_SECRET"
 
 
 class PrefixConfig(Strict):

@@ -14,15 +14,20 @@ the first ``first_message_chars`` characters of the first non-system message. Wh
 - the cost is bounded: at most ``system_chars + first_message_chars`` characters are hashed,
   whatever the body size.
 
-Raw keys never leave this module: callers get a 16-byte digest and an 8-byte hex label.
+Raw keys never leave this module: callers get a 16-byte digest (placement input) and an 8-byte
+hex label (logs, the ``x-fleet-session`` header). The label is keyed: HMAC-SHA256 of the digest
+under the fleet's label secret (:attr:`KeyRules.label_secret`), so a low-entropy id (an email, a
+user number) cannot be recovered from a label by hashing a dictionary of guesses. Placement
+uses the unkeyed digest, so it is the same on every replica whatever secret each one holds.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import itertools
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from extproc.core.api import Api, BadRequest
@@ -40,16 +45,18 @@ class KeySource(StrEnum):
 class SessionKey:
     digest: bytes  # blake2b-128 of the key material, namespaced by source kind
     source: KeySource
+    # Safe to log and to send upstream: a keyed hash of the digest, never the raw key.
+    label: str
 
     @property
     def point(self) -> int:
         """64-bit position of the session on the hash space (placement input)."""
         return int.from_bytes(self.digest[:8], "big")
 
-    @property
-    def label(self) -> str:
-        """Safe to log and to send upstream: a hash, never the raw key."""
-        return self.digest[:8].hex()
+
+def session_label(digest: bytes, secret: bytes) -> str:
+    """8-byte hex HMAC-SHA256 of ``digest`` under ``secret``."""
+    return hmac.digest(secret, digest, "sha256")[:8].hex()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +76,17 @@ class KeyRules:
     first_message_chars: int = 1024
     # /v1/completions has no roles: its prompt's first characters play both parts.
     prompt_chars: int = 4096
+    # Key of the session labels. The serving runtime always sets one (config, env, or a random
+    # per-process secret: extproc.config.label_secret); the empty default is for offline tools
+    # whose labels never leave the process.
+    label_secret: bytes = field(default=b"", repr=False)
 
 
-def hash_key(source: KeySource, material: bytes) -> SessionKey:
+def hash_key(source: KeySource, material: bytes, label_secret: bytes = b"") -> SessionKey:
     h = hashlib.blake2b(digest_size=16, person=b"fleet-" + source.value.encode()[:10])
     h.update(material)
-    return SessionKey(h.digest(), source)
+    digest = h.digest()
+    return SessionKey(digest, source, session_label(digest, label_secret))
 
 
 def _lookup(doc: Mapping[str, object], path: tuple[str, ...]) -> object:
@@ -256,12 +268,16 @@ def derive_session_key(
     if rules.header:
         value = headers.get(rules.header)
         if value:
-            return hash_key(KeySource.HEADER, value.encode("utf-8", "surrogatepass"))
+            return hash_key(
+                KeySource.HEADER, value.encode("utf-8", "surrogatepass"), rules.label_secret
+            )
     for path in rules.body_fields:
         value_obj = _lookup(doc, path)
         if isinstance(value_obj, str) and value_obj:
-            return hash_key(KeySource.BODY, value_obj.encode("utf-8", "surrogatepass"))
+            return hash_key(
+                KeySource.BODY, value_obj.encode("utf-8", "surrogatepass"), rules.label_secret
+            )
     material = prefix_material(api, doc, rules)
     if isinstance(material, BadRequest):
         return material
-    return hash_key(KeySource.PREFIX, material)
+    return hash_key(KeySource.PREFIX, material, rules.label_secret)

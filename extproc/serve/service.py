@@ -31,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from extproc.config import ConfigError, Runtime, load_runtime
+from extproc.config.label_secret import LabelSecret, warn_if_per_process
 from extproc.config.load import runtime_from_bytes
 from extproc.config.runtime import scale_budgets
 from extproc.explain import explain_request
@@ -320,6 +321,8 @@ async def serve(opts: ServeOptions) -> int:
     except (ConfigError, OSError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
+    secret = LabelSecret(runtime.key_rules.label_secret, runtime.label_secret_source)
+    warn_if_per_process(secret, runtime.config.session.label_secret_env)
     if opts.envoy_cds_path:
         write_cds(runtime, opts.envoy_cds_path)
     return await Service(opts, runtime, raw).run()
