@@ -7,8 +7,8 @@ session identically); labels must not be recomputable from a guessed raw id with
 from __future__ import annotations
 
 import hashlib
-import re
 import hmac
+import re
 from pathlib import Path
 from typing import Any
 
