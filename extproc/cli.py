@@ -22,6 +22,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "replay": ("extproc.harness.replay_cmd", "replay a trace or synthetic workload"),
     "bench": ("extproc.bench.cmd", "benchmarks: overhead, routing, admission"),
     "simulate": ("extproc.sim.cmd", "discrete-event fleet simulator"),
+    "fuzz": ("extproc.reliability.fuzz_cmd", "fuzz the stream handler or a real Envoy + processor"),
+    "chaos": ("extproc.reliability.chaos", "run a fault schedule against a local fleet"),
+    "soak": ("extproc.reliability.soak", "steady load for a long time, failing on growth"),
 }
 
 

@@ -37,6 +37,7 @@ from extproc.config.runtime import scale_budgets
 from extproc.explain import explain_request
 from extproc.ledger.gate import AdmissionGate, build_gate
 from extproc.logs import setup_logging
+from extproc.loop_monitor import LoopMonitor
 from extproc.metrics import Metrics
 from extproc.names import BUFFER_HEADROOM
 from extproc.pipeline.endpoint_health import EndpointHealth
@@ -91,6 +92,7 @@ class Service:
         self.opts = opts
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
+        self.loop_monitor = LoopMonitor(self.registry)
         self.holder = RuntimeHolder(self._local_view(runtime))
         self._config_bytes = raw_config
         rng = random.Random(opts.seed)
@@ -263,6 +265,7 @@ class Service:
         # (a pod IP or 0.0.0.0 in Kubernetes, 127.0.0.1 locally).
         runner, self.metrics_port = await start_admin(admin, address, metrics_port)
         await server.start()
+        self.loop_monitor.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         loop = asyncio.get_running_loop()
@@ -300,6 +303,7 @@ class Service:
         await processor.aclose()
         if self.endpoint_health is not None:
             await self.endpoint_health.close()
+        await self.loop_monitor.stop()
         await runner.cleanup()
         log.info("stopped", extra={"held_after_drain": self.gate.held})
         return 0

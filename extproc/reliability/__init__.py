@@ -1,0 +1,1 @@
+"""Reliability tooling: fuzzing, chaos and soak runs. Never imported by the serving path."""
