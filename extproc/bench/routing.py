@@ -66,7 +66,7 @@ LABELS: Mapping[Mode, str] = {
     "extproc": "Envoy + extproc",
 }
 DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2].parent / "shared/traces/mooncake_synthetic_trace.jsonl"
+    Path(__file__).resolve().parents[2] / "third_party/mooncake/mooncake_synthetic_trace.jsonl"
 )
 # One long-context burst in the middle of the synthetic workload: 0.5 requests/s of 150K-token
 # prompts for 30 s, i.e. ~15 requests that each need 7.5 s of prefill on a 20K tokens/s cluster.

@@ -104,3 +104,17 @@ class HotKeys:
         if total <= 0.0 or entry.scaled / self._scale(now) < min_volume:
             return 0.0
         return min(1.0, entry.scaled / total)
+
+    def share_if_observed(
+        self, key: Hashable, cluster: str, now: float, min_volume: float = 0.0
+    ) -> float:
+        """What :meth:`share` would answer right after ``observe(key, cluster, now)``, without
+        recording anything: ``explain`` previews a decision on live state and must see the
+        number the live request would see."""
+        add = self._scale(now)
+        entry = self._keys.get(key)
+        scaled = add + (entry.scaled if entry is not None and entry.cluster == cluster else 0.0)
+        total = self._clusters.get(cluster, 0.0) + add
+        if scaled / add < min_volume:
+            return 0.0
+        return min(1.0, scaled / total)

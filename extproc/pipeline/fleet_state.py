@@ -118,6 +118,11 @@ class SessionMemory:
             del self._seen[oldest_key]
         return last is not None and now - last <= ttl_s
 
+    def seen(self, key: bytes, now: float, ttl_s: float) -> bool:
+        """Whether the session was seen within ``ttl_s``, without marking it (a preview)."""
+        last = self._seen.get(key)
+        return last is not None and now - last <= ttl_s
+
     def override(self, key: bytes, now: float) -> Override | None:
         found = self._overrides.get(key)
         if found is not None and found.expires_at <= now:
@@ -176,6 +181,21 @@ class RedisSessions:
             # The remaining TTL, on this replica's clock: replicas never compare clocks.
             override = Override(name, now + pttl / 1000.0)
         return previous is not None, override
+
+    async def peek(self, key: bytes, now: float) -> tuple[bool, Override | None]:
+        """(seen within its TTL, override), marking nothing: for a preview (``explain``)."""
+        seen_key, ov_key = self._keys(key)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(ov_key)
+        pipe.pttl(ov_key)
+        pipe.exists(seen_key)
+        async with asyncio.timeout(self.timeout_s):
+            cluster, pttl, seen = await pipe.execute()
+        override = None
+        if cluster is not None and isinstance(pttl, int) and pttl > 0:
+            name = cluster.decode() if isinstance(cluster, bytes) else str(cluster)
+            override = Override(name, now + pttl / 1000.0)
+        return bool(seen), override
 
     async def write(self, key: bytes, override: Override, now: float) -> None:
         _seen_key, ov_key = self._keys(key)
@@ -237,15 +257,24 @@ class FleetState:
         now: float,
         params: AffinityParams,
         salt: int = 0,
+        *,
+        record: bool = True,
     ) -> SessionView:
-        """Look the session up (and mark it seen); count the request toward hot-key rates."""
+        """Look the session up (and mark it seen); count the request toward hot-key rates.
+
+        With ``record=False`` nothing is marked or counted, and the view is the one this request
+        would get: how ``explain`` previews a decision on the live state.
+        """
         key = facts.session.digest
-        seen = self.memory.touch(key, now, params.new_session_ttl_s)
+        ttl = params.new_session_ttl_s
+        seen = self.memory.touch(key, now, ttl) if record else self.memory.seen(key, now, ttl)
         override = self.memory.override(key, now)
         if self.shared is not None and self._shared_usable(now):
             try:
-                shared_seen, shared_override = await self.shared.lookup(
-                    key, now, params.new_session_ttl_s
+                shared_seen, shared_override = (
+                    await self.shared.lookup(key, now, ttl)
+                    if record
+                    else await self.shared.peek(key, now)
                 )
             except (RedisError, OSError) as exc:  # TimeoutError is an OSError
                 self._shared_failed("lookup", exc, now)
@@ -254,10 +283,13 @@ class FleetState:
                 seen = seen or shared_seen
                 override = shared_override or override
         hot = self.hot_keys(params)
-        hot.observe(key, hash_primary, now)
         share = 0.0
-        if facts.session.source is KeySource.PREFIX:
-            share = hot.share(key, hash_primary, now, params.hot_key_min_requests)
+        if record:
+            hot.observe(key, hash_primary, now)
+            if facts.session.source is KeySource.PREFIX:
+                share = hot.share(key, hash_primary, now, params.hot_key_min_requests)
+        elif facts.session.source is KeySource.PREFIX:
+            share = hot.share_if_observed(key, hash_primary, now, params.hot_key_min_requests)
         return SessionView(seen=seen, override=override, key_share=share, salt=salt)
 
     async def remember(self, facts: RequestFacts, decision: Decision, now: float) -> None:

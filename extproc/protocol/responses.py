@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -92,11 +92,6 @@ class RouteAnswers:
         return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
 
 
-def route_response(route: Route, facts: RequestFacts) -> ep.ProcessingResponse:
-    """The routing answer without a cache (tests, one-off use)."""
-    return RouteAnswers(max_entries=0).route(route, facts)
-
-
 # The Inference Extension's Endpoint Picker protocol: the header and the envoy.lb metadata key
 # that Envoy's override_host load-balancing policy reads (one of the two is configured there).
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -104,7 +99,7 @@ LB_NAMESPACE = "envoy.lb"
 
 
 def endpoint_response(
-    route: Route, facts: RequestFacts, endpoints: list[str]
+    route: Route, facts: RequestFacts, endpoints: Sequence[str]
 ) -> ep.ProcessingResponse:
     """Body-phase answer in endpoint-picker mode: the primary's endpoint, then the fallback.
 

@@ -34,14 +34,16 @@ from extproc.config import ConfigError, Runtime, load_runtime
 from extproc.config.label_secret import LabelSecret, warn_if_per_process
 from extproc.config.load import runtime_from_bytes
 from extproc.config.runtime import scale_budgets
-from extproc.explain import explain_request
+from extproc.explain import explain_outcome, request_headers
 from extproc.ledger.gate import AdmissionGate, build_gate
 from extproc.logs import setup_logging
 from extproc.loop_monitor import LoopMonitor
 from extproc.metrics import Metrics
 from extproc.names import BUFFER_HEADROOM
 from extproc.pipeline.endpoint_health import EndpointHealth
-from extproc.protocol.server import FleetProcessor, RuntimeHolder
+from extproc.pipeline.fleet_state import FleetState, RedisSessions
+from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
+from extproc.protocol.server import FleetProcessor
 from extproc.render.envoy_dynamic import write_cds, write_cds_union
 from extproc.serve.admin import AdminApp, start_admin
 
@@ -99,10 +101,19 @@ class Service:
         self.gate: AdmissionGate = build_gate(
             self.holder.current, self.registry, time.monotonic, rng, opts.redis_url
         )
+        # The processor's time base (the pipeline's `now`): explain previews on the same one.
+        self.clock = time.perf_counter
         self.health = health.aio.HealthServicer()
         self.endpoint_health: EndpointHealth | None = None
         if runtime.config.processor.mode == "endpoint_picker":
             self.endpoint_health = EndpointHealth(runtime.endpoints, _health_paths(runtime))
+        self.pipeline = Pipeline(
+            self.holder,
+            self.metrics,
+            self.gate,
+            endpoint_health=self.endpoint_health,
+            fleet=self._fleet_state(runtime),
+        )
         self.draining = False
         self.grpc_port = 0
         self.metrics_port = 0
@@ -115,6 +126,17 @@ class Service:
         if self.opts.workers > 1 and not (self.opts.redis_url or runtime.config.redis.url):
             return scale_budgets(runtime, 1 / self.opts.workers)
         return runtime
+
+    def _fleet_state(self, runtime: Runtime) -> FleetState:
+        """Affinity state, with the shared session store when Redis is configured: attached
+        now, whether or not affinity is on, so a reload that turns affinity on needs no
+        restart (the client connects on first use)."""
+        redis = runtime.config.redis
+        url = self.opts.redis_url or redis.url
+        shared = (
+            RedisSessions.from_url(url, redis.key_prefix, redis.timeout_ms / 1000) if url else None
+        )
+        return FleetState(self.metrics, runtime.config.affinity.max_sessions, shared)
 
     def _set_version(self, old: str | None, new: str) -> None:
         if old is not None:
@@ -138,7 +160,10 @@ class Service:
         }
 
     async def explain(self, path: str, headers: dict[str, str], body: bytes) -> dict[str, object]:
-        result = explain_request(self.holder.current, path, headers, body)
+        """The decision this processor would take for the request now, on its live state
+        (affinity memory, load, endpoint health), changing nothing; plus the budget usage."""
+        outcome = await self.pipeline.preview(request_headers(path, headers), body, self.clock())
+        result = explain_outcome(self.holder.current, outcome)
         if result.get("outcome") == "route":
             runtime = self.holder.current
             cls = next(c for c in runtime.policy.classes if c.name == result["class"])
@@ -237,13 +262,7 @@ class Service:
         cfg = self.holder.current.config
         reuse = self.opts.workers > 1
         server = grpc.aio.server(options=grpc_options(cfg.processor.max_body_bytes, reuse))
-        processor = FleetProcessor(
-            self.holder,
-            self.metrics,
-            self.gate,
-            endpoint_health=self.endpoint_health,
-            redis_url=self.opts.redis_url,
-        )
+        processor = FleetProcessor(self.pipeline, self.clock)
         ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         address = self.opts.address or cfg.processor.address
@@ -300,7 +319,7 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         await self.gate.close()
-        await processor.aclose()
+        await self.pipeline.aclose()
         if self.endpoint_health is not None:
             await self.endpoint_health.close()
         await self.loop_monitor.stop()

@@ -35,7 +35,8 @@ from extproc.pipeline.fleet_state import (
     RedisSessions,
     SessionMemory,
 )
-from extproc.protocol.server import FleetProcessor, RuntimeHolder
+from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
+from extproc.protocol.server import FleetProcessor
 from extproc.serve.service import grpc_options
 from tests.support.redis_server import RedisServer
 
@@ -286,7 +287,7 @@ async def start() -> AsyncIterator[Callable[..., Any]]:
     async def _start(doc: dict[str, Any]) -> Proc:
         runtime = compile_runtime(parse_config(doc))
         registry = CollectorRegistry()
-        processor = FleetProcessor(RuntimeHolder(runtime), Metrics(registry))
+        processor = FleetProcessor(Pipeline(RuntimeHolder(runtime), Metrics(registry)))
         procs.append(processor)
         server = grpc.aio.server(options=grpc_options(runtime.config.processor.max_body_bytes))
         ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
@@ -303,7 +304,7 @@ async def start() -> AsyncIterator[Callable[..., Any]]:
     for server in servers:
         await server.stop(None)
     for processor in procs:
-        await processor.aclose()
+        await processor.pipeline.aclose()
 
 
 def _header_map(pairs: dict[str, str]) -> base_pb2.HeaderMap:
@@ -431,13 +432,13 @@ async def test_inflight_is_counted_for_the_life_of_the_stream(start: Callable[..
     streams = [Exchange(proc) for _ in range(3)]
     for ex in streams:
         assert await ex.route(sid) == "c1"
-    assert proc.processor.fleet_state.load.inflight("c1") == 3
+    assert proc.processor.pipeline.fleet.load.inflight("c1") == 3
     assert proc.sample("fleet_cluster_inflight", cluster="c1") == 3
     for ex in streams:
         await ex.end()
     # The servicer releases in its finally block, which has run once the stream's status is
     # OK (Exchange.end waits for it).
-    assert proc.processor.fleet_state.load.inflight("c1") == 0
+    assert proc.processor.pipeline.fleet.load.inflight("c1") == 0
     assert proc.sample("fleet_cluster_inflight", cluster="c1") == 0
 
 
@@ -454,7 +455,7 @@ async def test_with_affinity_off_response_headers_are_answered_and_ignored(
         assert await full_request(proc, new, CRITICAL) == "c2"  # pure hashing, whatever c2 says
     assert proc.sample("fleet_load_reports_total", source="orca") == 0
     assert proc.sample("fleet_route_decisions_total", kind="primary") == 6
-    assert proc.processor.fleet_state.load.inflight("c2") == 0
+    assert proc.processor.pipeline.fleet.load.inflight("c2") == 0
 
 
 async def test_a_response_naming_an_unknown_cluster_is_credited_to_the_chosen_one(

@@ -37,7 +37,8 @@ from extproc.names import (
     SECONDARY_HEADER,
     SESSION_HEADER,
 )
-from extproc.protocol.server import FleetProcessor, RuntimeHolder
+from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
+from extproc.protocol.server import FleetProcessor
 from extproc.serve.service import grpc_options
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +97,7 @@ async def start() -> AsyncIterator[Callable[..., Awaitable[Processor]]]:
         options = grpc_options(cfg.processor.max_body_bytes)
         server = grpc.aio.server(options=options)
         ep_grpc.add_ExternalProcessorServicer_to_server(
-            FleetProcessor(RuntimeHolder(runtime), metrics), server
+            FleetProcessor(Pipeline(RuntimeHolder(runtime), metrics)), server
         )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

@@ -1,12 +1,12 @@
 """`extproc gateway`: Kubernetes manifests rendered from fleet.yaml, checked offline.
 
 Every custom object is validated against the openAPIV3Schema of its kind and version from the
-CRDs in shared/crds (Gateway API v1.6.1, Envoy Gateway, Inference Extension), made strict: an
-unknown field fails, as it does with server-side field validation (kubectl's default), instead
-of being silently pruned. CEL rules are not covered by a JSON Schema validator; the ones these
-manifests could break are checked by hand below. Core kinds (ConfigMap, Secret, Deployment,
-Service) ship no schema here, so their required structure and cross-references are checked by
-hand.
+CRDs vendored in third_party/crds (Gateway API v1.6.1, Envoy Gateway, Inference Extension),
+made strict: an unknown field fails, as it does with server-side field validation (kubectl's
+default), instead of being silently pruned. CEL rules are not covered by a JSON Schema
+validator; the ones these manifests could break are checked by hand below. Core kinds
+(ConfigMap, Secret, Deployment, Service) ship no schema here, so their required structure and
+cross-references are checked by hand.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from extproc.render.gateway import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-CRD_DIR = REPO.parent / "shared" / "crds"
+CRD_DIR = REPO / "third_party" / "crds"
 COMPOSE_FLEET = REPO / "compose" / "fleet.yaml"
 
 Json = dict[str, Any]
@@ -73,8 +73,8 @@ def _strict(schema: Json) -> Json:
 
 @cache
 def crd_schemas() -> dict[SchemaKey, Json]:
-    """(group, version, kind) -> strict openAPIV3Schema, from every CRD file in shared/crds."""
-    assert CRD_DIR.is_dir(), f"CRD schemas not found at {CRD_DIR} (shared/ beside the checkout)"
+    """(group, version, kind) -> strict openAPIV3Schema, from every CRD file in third_party/crds."""
+    assert CRD_DIR.is_dir(), f"CRD schemas not found at {CRD_DIR}"
     index: dict[SchemaKey, Json] = {}
     for path in sorted(CRD_DIR.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):

@@ -23,7 +23,9 @@ from extproc.harness.trace import (
     trace_to_requests,
 )
 
-SHARED_TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+REPO = Path(__file__).resolve().parents[2]
+# Vendored with its README (upstream, license) in third_party/mooncake/.
+MOONCAKE_TRACE = REPO / "third_party" / "mooncake" / "mooncake_synthetic_trace.jsonl"
 
 
 def line(ts: float, length: int, ids: list[int], out: int = 10) -> str:
@@ -211,9 +213,8 @@ def test_read_trace_from_a_file(tmp_path: Path) -> None:
     assert ideal_hit_ratio(trace.requests) == pytest.approx(0.5)
 
 
-@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="shared Mooncake trace not present")
 def test_the_shared_mooncake_trace_reads_cleanly() -> None:
-    trace = read_trace(SHARED_TRACE)
+    trace = read_trace(MOONCAKE_TRACE)
     assert len(trace.requests) == 3993
     assert trace.issues == ()
     assert trace.length_mismatches == 0

@@ -19,7 +19,9 @@ from extproc.sim.model import FleetShape
 from extproc.sim.scenario import Prepared, SimOptions, simulate
 from extproc.sim.traffic import BaseTraffic, base_from_trace, expand, mooncake_like
 
-SHARED_TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+REPO = Path(__file__).resolve().parents[2]
+# Vendored with its README (upstream, license) in third_party/mooncake/.
+MOONCAKE_TRACE = REPO / "third_party" / "mooncake" / "mooncake_synthetic_trace.jsonl"
 SMALL = mooncake_like(seed=11, sessions=1500, duration_s=600.0)
 ALL = (
     "round-robin",
@@ -101,9 +103,8 @@ def test_simulator_agrees_with_clustermodel_instances_on_a_small_trace() -> None
     _agreement(SMALL)
 
 
-@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="shared Mooncake trace not present")
 def test_simulator_agrees_with_clustermodel_instances_on_the_mooncake_trace() -> None:
-    _agreement(read_trace(SHARED_TRACE))
+    _agreement(read_trace(MOONCAKE_TRACE))
 
 
 def test_same_seed_same_json_and_worker_processes_change_nothing() -> None:

@@ -1,0 +1,75 @@
+"""What the pipeline answers for one request, and what a routed exchange holds until it ends.
+
+Four outcomes, each translated to one Envoy answer by the protocol shell
+(extproc/protocol/server.py, with extproc/protocol/responses.py building the messages):
+
+- :class:`Passthrough` — not an inference request: Envoy proceeds untouched;
+- :class:`~extproc.core.api.BadRequest` — the client's fault: a JSON error in the API's format;
+- :class:`Rejected` — admission said no (429 with retry hints, 413 never admissible, 503 ledger
+  unavailable under the ``closed`` policy);
+- :class:`Routed` — where the request goes (clusters, or endpoints in endpoint-picker mode);
+  its :class:`Hold` is what :meth:`~extproc.pipeline.pipeline.Pipeline.release` gives back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from extproc.core.admission import Reject, Ticket
+from extproc.core.affinity import Kind
+from extproc.core.api import Api, BadRequest
+from extproc.core.decide import Route
+from extproc.core.facts import RequestFacts
+from extproc.core.usage import SseUsageScanner
+
+
+@dataclass(frozen=True, slots=True)
+class Passthrough:
+    """Not an inference request (another path, or not a POST)."""
+
+
+PASSTHROUGH = Passthrough()
+
+
+@dataclass(slots=True)
+class Hold:
+    """What one routed exchange holds while Envoy keeps its stream open.
+
+    Mutable on purpose: the response phases fill in what they learn (which cluster served,
+    the SSE usage scanner), and release() empties it, so a second release gives nothing back.
+    """
+
+    api: Api
+    # Budget reservation, held until the exchange ends.
+    ticket: Ticket | None = None
+    # Load-aware affinity only: the cluster counted in flight for this exchange, and whether
+    # its response's load report was read already.
+    routed_to: str | None = None
+    reported: bool = False
+    # Usage inspection only: the cluster credited with the response's tokens (the primary, or
+    # the serving cluster the response names) and the scanner when the response is SSE.
+    usage_cluster: str | None = None
+    usage_scanner: SseUsageScanner | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    facts: RequestFacts
+    route: Route
+    # How the placement was reached: "primary" without load-aware affinity, else the policy's kind.
+    kind: Kind
+    hold: Hold
+    # Endpoint-picker mode only: the endpoints Envoy should try, in order; empty when no
+    # endpoint of any candidate cluster is ready (answered with a 503). None in route mode.
+    endpoints: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    facts: RequestFacts
+    route: Route
+    kind: Kind
+    reject: Reject
+
+
+Outcome = Routed | Rejected | BadRequest | Passthrough

@@ -1,0 +1,354 @@
+"""The decision pipeline: one request's path from headers and body to an outcome.
+
+The ext_proc servicer, ``extproc explain``, the fleet simulator and the benchmarks all call
+this, so what each of them shows is what the processor does. It sits between the protocol shell
+(which knows Envoy) and the pure core (which knows no I/O and no clock): it owns the state the
+core is fed — the fleet's load and session memory, the admission gate, endpoint health — and
+takes time as an argument. See ARCHITECTURE.md, "The path of one request".
+
+    pipeline = Pipeline(RuntimeHolder(runtime), metrics, gate)
+    outcome = await pipeline.decide(headers, body, now)  # Routed | Rejected | BadRequest | ...
+    ...                                                    # response phases:
+    pipeline.observe_response(hold, response_headers, now)
+    pipeline.observe_response_body(hold, chunk, end_of_stream)
+    await pipeline.release(hold)                           # when the exchange ends, always
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+from extproc.config.runtime import Runtime
+from extproc.core.admission import Admitted, Reject, plan
+from extproc.core.affinity import Decision, Kind, place
+from extproc.core.api import Api, BadRequest, api_for_path
+from extproc.core.decide import Route
+from extproc.core.endpoints import pick_endpoints
+from extproc.core.facts import RequestFacts, parse_request
+from extproc.core.load import LOAD_HEADERS, parse_load_headers
+from extproc.core.placement import mix64
+from extproc.core.usage import Prices, SseUsageScanner, Usage, usage_from_body
+from extproc.ledger.gate import AdmissionGate
+from extproc.metrics import Metrics
+from extproc.pipeline.endpoint_health import EndpointHealth
+from extproc.pipeline.fleet_state import FleetState
+from extproc.pipeline.outcomes import (
+    PASSTHROUGH,
+    Hold,
+    Outcome,
+    Rejected,
+    Routed,
+)
+
+log = logging.getLogger("extproc.server")
+
+
+class RuntimeHolder:
+    """The runtime being served; reload swaps it whole (one reference assignment)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.current = runtime
+
+
+def inference_api(headers: Mapping[str, str]) -> Api | None:
+    """The API of an inference request (a POST to one of the API paths), else None."""
+    if headers.get(":method") != "POST":
+        return None
+    return api_for_path(headers.get(":path", ""))
+
+
+class Pipeline:
+    def __init__(
+        self,
+        runtime: RuntimeHolder,
+        metrics: Metrics,
+        gate: AdmissionGate | None = None,
+        *,
+        endpoint_health: EndpointHealth | None = None,
+        fleet: FleetState | None = None,
+    ) -> None:
+        self._runtime = runtime
+        self._metrics = metrics
+        self._gate = gate
+        self._endpoint_health = endpoint_health
+        self.fleet = fleet or FleetState(metrics, runtime.current.config.affinity.max_sessions)
+        # Per-request salt for the policy's hot-key tie-break: a mixed counter, reproducible
+        # (no unseeded randomness) and, unlike the bare counter, free of aliasing with periodic
+        # traffic (a hot request after every other request would see only even salts).
+        self._decisions = 0
+
+    @property
+    def metrics(self) -> Metrics:
+        return self._metrics
+
+    @property
+    def runtime(self) -> Runtime:
+        return self._runtime.current
+
+    @property
+    def gate(self) -> AdmissionGate | None:
+        return self._gate
+
+    # -- the decision -----------------------------------------------------------------------
+    async def decide(self, headers: Mapping[str, str], body: bytes | None, now: float) -> Outcome:
+        """Decide one request and take what it holds (budget, an in-flight count).
+
+        ``headers`` have lower-case names and Envoy's pseudo-headers (``:path``, ``:method``);
+        ``body`` is the whole body, or None when the request ended with its headers. A Routed
+        outcome's hold must be given back with :meth:`release` when the exchange ends.
+        """
+        return await self._decide(headers, body, now, record=True)
+
+    async def preview(self, headers: Mapping[str, str], body: bytes | None, now: float) -> Outcome:
+        """The decision :meth:`decide` would take now, on the same state, changing nothing:
+        no session is marked, no override written, no budget reserved, nothing counted.
+
+        Admission is previewed only as far as it is pure (a request no budget state could
+        admit is Rejected with 413); whether the ledger has room right now is a question of
+        the next instant, which ``explain`` answers with the compartment's usage instead.
+        """
+        return await self._decide(headers, body, now, record=False)
+
+    def refuse_partial_body(self, api: Api) -> BadRequest:
+        """The answer when the body arrived in pieces (the filter is not in BUFFERED mode, or
+        the body outgrew Envoy's buffer): deciding on a prefix would hash truncated JSON."""
+        bad = BadRequest(
+            413,
+            "request body was not delivered whole (raise the gateway's buffer limit)",
+            "request_too_large",
+            api.error_style,
+        )
+        self._count_bad(bad, api)
+        return bad
+
+    async def _decide(
+        self, headers: Mapping[str, str], body: bytes | None, now: float, *, record: bool
+    ) -> Outcome:
+        api = inference_api(headers)
+        if api is None:
+            if record:
+                self._metrics.passthrough.inc()
+            return PASSTHROUGH
+        if body is None:
+            # No body will follow: this is the only chance to answer.
+            empty = BadRequest(
+                400,
+                "request body is empty; expected a JSON object",
+                "invalid_request_error",
+                api.error_style,
+            )
+            if record:
+                self._count_bad(empty, api)
+            return empty
+        runtime = self._runtime.current
+        facts = parse_request(
+            headers.get(":path", ""), headers, body, runtime.key_rules, runtime.parse_limits
+        )
+        if isinstance(facts, BadRequest):
+            if record:
+                self._count_bad(facts, api)
+            return facts
+        route = runtime.policy.route(facts)
+        kind: Kind = "primary"
+        if runtime.affinity.enabled:
+            decision = await self._place(runtime, facts, route, now, record)
+            route = Route(decision.placement, route.request_class)
+            kind = decision.kind
+        if not record:
+            planned = plan(facts, route)
+            if isinstance(planned, Reject):
+                return Rejected(facts, route, kind, planned)
+            return Routed(facts, route, kind, Hold(api), self._endpoints(runtime, facts, route))
+        hold = Hold(api)
+        if self._gate is not None:
+            admission = await self._gate.admit(facts, route)
+            if isinstance(admission, Reject):
+                self._count_reject(facts, admission, headers)
+                return Rejected(facts, route, kind, admission)
+            if isinstance(admission, Admitted):
+                hold.ticket = admission.ticket
+        self._metrics.requests.labels(facts.api.value, route.request_class.name, "routed").inc()
+        self._metrics.routes.labels(kind).inc()
+        primary = route.placement.primary
+        if runtime.affinity.enabled:
+            hold.routed_to = primary
+            self.fleet.routed(primary)
+        if runtime.config.processor.inspect_usage:
+            hold.usage_cluster = primary
+        endpoints = self._endpoints(runtime, facts, route)
+        if endpoints == ():
+            self._metrics.routes.labels("no_endpoint").inc()
+        if log.isEnabledFor(logging.DEBUG):  # per-request lines only when asked for
+            log.debug(
+                "routed",
+                extra={
+                    "request_id": headers.get("x-request-id", ""),
+                    "session": facts.session.label,  # a hash, never the raw key
+                    "session_source": facts.session.source.value,
+                    "request_class": route.request_class.name,
+                    "primary": primary,
+                    "secondary": route.placement.secondary,
+                    "kind": kind,
+                    "input_tokens": facts.input_tokens,
+                },
+            )
+        return Routed(facts, route, kind, hold, endpoints)
+
+    def _count_bad(self, bad: BadRequest, api: Api) -> None:
+        outcome = "too_large" if bad.status == 413 else "bad_request"
+        self._metrics.requests.labels(api.value, "", outcome).inc()
+
+    def _count_reject(
+        self, facts: RequestFacts, reject: Reject, headers: Mapping[str, str]
+    ) -> None:
+        self._metrics.requests.labels(facts.api.value, reject.class_name, reject.reason).inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "rejected",
+                extra={
+                    "request_id": headers.get("x-request-id", ""),
+                    "session": facts.session.label,
+                    "request_class": reject.class_name,
+                    "cluster": reject.cluster,
+                    "status": reject.status,
+                    "reason": str(reject.reason),
+                    "retry_after_s": reject.retry_after_s,
+                },
+            )
+
+    def _ready_clusters(self, runtime: Runtime) -> frozenset[str] | None:
+        if self._endpoint_health is None:
+            return None
+        ready = self._endpoint_health.ready
+        return frozenset(c for c, eps in runtime.endpoints.items() if any(e in ready for e in eps))
+
+    async def _place(
+        self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool
+    ) -> Decision:
+        """Feed the pure affinity policy: candidates, load snapshot, session memory, now."""
+        fleet = self.fleet
+        # A reload may change the bound; the memory trims to it on its next writes.
+        fleet.memory.max_sessions = runtime.config.affinity.max_sessions
+        params = runtime.affinity
+        ranked = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
+        salt = mix64(self._decisions)
+        if record:
+            self._decisions += 1
+        view = await fleet.view(facts, ranked[0], now, params, salt, record=record)
+        snapshot = fleet.load.snapshot(ranked, now, self._ready_clusters(runtime))
+        decision = place(facts, ranked, snapshot, view, now, params)
+        if record:
+            if decision.migration_reason is not None:
+                # The session leaves the cluster holding its cache: one re-prefill on the new one.
+                self._metrics.migrations.labels(decision.migration_reason).inc()
+            await fleet.remember(facts, decision, now)
+        return decision
+
+    def _endpoints(
+        self, runtime: Runtime, facts: RequestFacts, route: Route
+    ) -> tuple[str, ...] | None:
+        """Endpoint-picker mode: the endpoints to try, in order (None in route mode)."""
+        if runtime.config.processor.mode != "endpoint_picker":
+            return None
+        hashed = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
+        # The decided (primary, secondary) first — pure hashing's own top two unless affinity
+        # moved the session — then the rest in hash order for when neither has a ready endpoint.
+        head = [route.placement.primary]
+        if route.placement.secondary is not None:
+            head.append(route.placement.secondary)
+        ranked = head + [c for c in hashed if c not in head]
+        ready = (
+            self._endpoint_health.ready
+            if self._endpoint_health
+            else frozenset(e for eps in runtime.endpoints.values() for e in eps)
+        )
+        return tuple(pick_endpoints(facts.session.point, ranked, runtime.endpoints, ready))
+
+    # -- the response -------------------------------------------------------------------------
+    def response_headers_wanted(self, hold: Hold | None) -> tuple[str, ...]:
+        """The response headers :meth:`observe_response` reads for this exchange (none: the
+        phase can be answered at once). Only these are decoded: a response may carry dozens."""
+        if hold is None:
+            return ()
+        runtime = self._runtime.current
+        inspect = runtime.config.processor.inspect_usage and hold.usage_cluster is not None
+        if (hold.routed_to is None or hold.reported) and not inspect:
+            return ()
+        served_header = runtime.config.affinity.served_by_header
+        if served_header:
+            return (*LOAD_HEADERS, served_header, "content-type")
+        return (*LOAD_HEADERS, "content-type")
+
+    def observe_response(self, hold: Hold, found: Mapping[str, str], now: float) -> bool:
+        """The response headers of a routed exchange arrived (``found``: the wanted ones).
+
+        Feeds the load report and any failover to the fleet state; returns True when the
+        response body should stream through usage inspection (an SSE response).
+        """
+        runtime = self._runtime.current
+        served_header = runtime.config.affinity.served_by_header
+        served_by = found.get(served_header) if served_header else None
+        if served_by not in runtime.cluster_names:
+            served_by = None  # not one of ours (or absent): credit the cluster we chose
+        chosen = hold.routed_to
+        if chosen is not None and not hold.reported:
+            hold.reported = True
+            report = parse_load_headers(found)
+            self.fleet.reported(chosen, served_by, report, now, runtime.affinity)
+        inspect = runtime.config.processor.inspect_usage and hold.usage_cluster is not None
+        if not inspect:
+            return False
+        if served_by is not None:
+            hold.usage_cluster = served_by
+        if found.get("content-type", "").startswith("text/event-stream"):
+            hold.usage_scanner = SseUsageScanner(hold.api)
+            return True
+        return False
+
+    def observe_response_body(self, hold: Hold, chunk: bytes, end_of_stream: bool) -> None:
+        """A piece of the response body (the whole body unless it streams as SSE)."""
+        cluster = hold.usage_cluster
+        if cluster is None:
+            return
+        scanner = hold.usage_scanner
+        if scanner is not None:
+            scanner.feed(chunk)
+            if end_of_stream:
+                self._account_usage(cluster, scanner.finish())
+                hold.usage_cluster = None
+        elif end_of_stream:
+            self._account_usage(cluster, usage_from_body(hold.api, chunk))
+            hold.usage_cluster = None
+
+    def _account_usage(self, cluster: str, usage: Usage | None) -> None:
+        if usage is None:
+            self._metrics.usage_missing.inc()
+            return
+        m = self._metrics
+        m.upstream_input_tokens.labels(cluster, "hit").inc(usage.cached_tokens)
+        m.upstream_input_tokens.labels(cluster, "miss").inc(
+            max(0, usage.prompt_tokens - usage.cached_tokens)
+        )
+        m.upstream_output_tokens.labels(cluster).inc(usage.output_tokens)
+        p = self._runtime.current.config.prices
+        prices = Prices(p.cached_input, p.uncached_input, p.output)
+        m.cost_dollars.labels(cluster).inc(prices.cost(usage))
+        m.cache_savings_dollars.labels(cluster).inc(prices.saved(usage))
+
+    # -- the end ------------------------------------------------------------------------------
+    async def release(self, hold: Hold) -> None:
+        """Give back what the exchange holds; idempotent, never raises for the ledger."""
+        routed, hold.routed_to = hold.routed_to, None
+        if routed is not None:
+            self.fleet.finished(routed)
+        ticket, hold.ticket = hold.ticket, None
+        if ticket is not None and self._gate is not None:
+            # Shielded: the stream may be ending by cancellation (client or upstream abort), and
+            # a second cancel must not abandon the release half-way (a Redis round trip).
+            await asyncio.shield(self._gate.release(ticket))
+
+    async def aclose(self) -> None:
+        """Close the shared affinity store's connections."""
+        await self.fleet.close()
