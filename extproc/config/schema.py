@@ -21,13 +21,34 @@ class Strict(BaseModel):
 
 
 class ListenerConfig(Strict):
-    """Envoy's public listener and its admin interface (admin is always bound to 127.0.0.1)."""
+    """Envoy's public listener and its admin interface (admin is always bound to 127.0.0.1).
+
+    Timers are in seconds, 0 = off. An LLM request can prefill for minutes before its first byte
+    and then stream for many more, so by default no timer bounds the response side: only
+    receiving the request is bounded (RELIABILITY.md lists every timer)."""
 
     address: str = "127.0.0.1"
     port: Port = 10000
     admin_port: Port = 9901
-    # Upstream request timeout; long generations need long timeouts (0 = none).
-    route_timeout_s: float = Field(default=300.0, ge=0)
+    # The whole request, retries included, until the last byte of the (streamed) response
+    # (Envoy's route timeout; its own default of 15 s is always overridden).
+    route_timeout_s: float = Field(default=0.0, ge=0)
+    # Each upstream attempt until its response begins (route per_try_timeout); once a byte of
+    # the response has reached the client it no longer applies.
+    per_try_timeout_s: float = Field(default=0.0, ge=0)
+    # No byte in either direction for this long (HCM stream_idle_timeout; Envoy's default is
+    # 5 min, which a long prefill or a non-streamed generation can exceed).
+    stream_idle_timeout_s: float = Field(default=0.0, ge=0)
+    # Receiving the whole request, headers and body (HCM request_timeout). Envoy disarms it once
+    # the request has gone upstream or the response began, so it never ends a generation. The
+    # default admits a maximum-size body at about 280 KB/s and bounds slow uploads.
+    request_receive_timeout_s: float = Field(default=120.0, ge=0)
+    # Receiving the request headers (HCM request_headers_timeout): bounds slow-header clients.
+    request_headers_timeout_s: float = Field(default=10.0, ge=0)
+    # Downstream connections over all Envoy workers (overload manager); beyond it new
+    # connections are closed at accept. Worst-case buffered memory is this many times
+    # processor.max_body_bytes + 1 MiB.
+    max_connections: int = Field(default=10_000, ge=1)
 
 
 class ProcessorConfig(Strict):

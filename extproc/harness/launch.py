@@ -172,7 +172,6 @@ class FleetStack:
                 "address": LOOPBACK,
                 "port": self.listener_port,
                 "admin_port": self.admin_port,
-                "route_timeout_s": 120,
             },
             "processor": {
                 "address": LOOPBACK,

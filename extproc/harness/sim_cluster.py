@@ -8,10 +8,14 @@ real OpenAI-compatible / Anthropic-compatible backend:
   (in streams: the last event before the terminator, like ``stream_options.include_usage``);
 - ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``;
 - ``POST /admin/fault`` to inject failures: ``none`` | ``refuse`` | ``error`` | ``slow`` |
-  ``hang`` (``GET`` shows the current one);
+  ``hang`` | ``reset`` (``GET`` shows the current one). ``error`` answers ``status`` (e.g. 429
+  or 503, an engine's backpressure) before any generation; ``reset`` starts the generation,
+  then drops the connection before a response byte (an engine crash mid-prefill);
 - ``GET /admin/concurrency``: requests in flight, peak and total per request class (the
   processor's ``x-fleet-class``), how tests prove budgets at the upstream; ``DELETE`` restarts
-  the peaks.
+  the peaks;
+- ``GET /admin/executions``: generations started, per ``x-request-id`` (Envoy keeps the id
+  across retries, so a count above 1 is a generation that ran twice).
 
 Every response names the cluster in ``x-served-by`` (how e2e tests and the replayer see where
 Envoy routed a request) and every inference response carries a load report twice: the ORCA
@@ -26,6 +30,7 @@ Anthropic usage follows the real API: ``input_tokens`` counts only the uncached 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import math
@@ -51,7 +56,7 @@ from extproc.harness.prompts import (
 
 log = logging.getLogger(__name__)
 
-FaultMode = Literal["none", "refuse", "error", "slow", "hang"]
+FaultMode = Literal["none", "refuse", "error", "slow", "hang", "reset"]
 FAULT_MODES: tuple[str, ...] = get_args(FaultMode)
 
 SERVED_BY = "x-served-by"
@@ -273,6 +278,8 @@ class SimCluster:
         self._unhang.set()
         self._closing = False
         self.concurrency = ClassConcurrency()
+        # Generations started per x-request-id.
+        self.executions: collections.Counter[str] = collections.Counter()
 
     @property
     def fault(self) -> Fault:
@@ -305,6 +312,7 @@ class SimCluster:
         app.router.add_get("/admin/fault", self._get_fault)
         app.router.add_get("/admin/concurrency", self._get_concurrency)
         app.router.add_delete("/admin/concurrency", self._reset_concurrency)
+        app.router.add_get("/admin/executions", self._get_executions)
         return app
 
     # -- small endpoints -------------------------------------------------------------------
@@ -336,6 +344,11 @@ class SimCluster:
 
     async def _get_fault(self, request: web.Request) -> web.Response:
         return web.json_response(self._fault.to_json(), headers=self._base_headers())
+
+    async def _get_executions(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"executions": dict(self.executions)}, headers=self._base_headers()
+        )
 
     async def _set_fault(self, request: web.Request) -> web.Response:
         try:
@@ -414,6 +427,12 @@ class SimCluster:
             parsed = self._parse(api, await request.read())
         except PromptError as exc:
             return self._error(api, 400, str(exc))
+        self.executions[request.headers.get("x-request-id", "")] += 1
+        if self._fault.mode == "reset":
+            if request.transport is not None:
+                request.transport.abort()
+            self.metrics.requests.labels(api=api, code="reset").inc()
+            return web.Response(status=503)
 
         evictions_before = self.model.cache.evictions
         plan = self.model.admit(

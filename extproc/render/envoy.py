@@ -26,6 +26,12 @@ MODES: tuple[Mode, ...] = ("extproc", "round_robin", "ring_hash")
 
 FALLBACK_CLUSTER = "all_clusters"
 EXTPROC_CLUSTER = "extproc"
+# Retry conditions under which no generation can have started (see _retry_conditions).
+RETRY_ON = ("connect-failure", "refused-stream", "reset-before-request", "retriable-status-codes")
+# An engine's backpressure answers: it refused the request at admission.
+RETRIABLE_STATUSES = (429, 503)
+# Consecutive connect failures / resets / timeouts that eject a host.
+LOCAL_ORIGIN_EJECT_AFTER = 3
 
 Json = dict[str, Any]
 
@@ -85,17 +91,33 @@ def _inference_cluster(
                 "http_health_check": {"path": health_path},
             }
         ],
-        # Eject on gateway / local-origin failures only: a model server's legitimate 500 (a bad
-        # prompt, an OOM on one request) must not take a whole cluster out of rotation.
-        "outlier_detection": {
-            "consecutive_5xx": 5,
-            "enforcing_consecutive_5xx": 0,
-            "consecutive_gateway_failure": 1,
-            "enforcing_consecutive_gateway_failure": 100,
-            "interval": "1s",
-            "base_ejection_time": "10s",
-            "max_ejection_percent": 100,
-        },
+        "outlier_detection": _outlier_detection(),
+    }
+
+
+def _outlier_detection() -> Json:
+    """Eject a host on failures Envoy saw itself, never on an answer the engine chose.
+
+    Without the split, Envoy counts an upstream's own 502/503/504 as gateway failures: one 503
+    (an overloaded engine's backpressure) ejected the host. With split_external_local_origin_
+    errors, connect failures, resets and timeouts are local-origin events with their own
+    counter, and HTTP statuses from the engine are external. Every detector on external
+    statuses is switched off (5xx, gateway failure, success rate): an engine's 429/503 is
+    backpressure and its 500 a bad request, neither is a broken host. An engine that is really
+    broken fails its active health check as well.
+    """
+    return {
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": LOCAL_ORIGIN_EJECT_AFTER,
+        "enforcing_consecutive_local_origin_failure": 100,
+        "consecutive_5xx": 5,
+        "enforcing_consecutive_5xx": 0,
+        "consecutive_gateway_failure": 5,
+        "enforcing_consecutive_gateway_failure": 0,
+        "enforcing_success_rate": 0,
+        "interval": "1s",
+        "base_ejection_time": "10s",
+        "max_ejection_percent": 100,
     }
 
 
@@ -116,13 +138,11 @@ def _aggregate(primary: str, secondary: str) -> Json:
     }
 
 
-def _retry_policy() -> Json:
-    # A retry can only happen before response headers; an SSE stream already started cannot be
-    # retried. previous_priorities moves the retry to the aggregate's next priority (the
-    # secondary); previous_hosts keeps it off the host that just failed.
+def _retry_policy(runtime: Runtime) -> Json:
+    # previous_priorities moves the retry to the aggregate's next priority (the secondary);
+    # previous_hosts keeps it off the host that just failed.
     return {
-        "retry_on": "connect-failure,reset,refused-stream,gateway-error",
-        "num_retries": 2,
+        **_retry_conditions(runtime),
         "retry_priority": {
             "name": "envoy.retry_priorities.previous_priorities",
             "typed_config": {
@@ -142,10 +162,33 @@ def _retry_policy() -> Json:
     }
 
 
-def _fallback_retry_policy() -> Json:
+def _retry_conditions(runtime: Runtime) -> Json:
+    """Retry only what cannot have generated: a generation must never run twice.
+
+    - connect-failure, refused-stream: the engine never saw the request;
+    - reset-before-request: the connection was reset before the request was sent upstream
+      (``reset`` would also retry a reset after the engine had the request, i.e. mid-prefill);
+    - retriable-status-codes 429/503: the engine refused the request at admission, before any
+      generation. The one retry moves it to the session's secondary (previous_priorities).
+    Never gateway-error/5xx: a 504 or a reset after the request was sent can be a generation in
+    progress. One retry: a refused request spills once instead of bouncing across the fleet.
+    """
+    policy: Json = {
+        "retry_on": ",".join(RETRY_ON),
+        "retriable_status_codes": list(RETRIABLE_STATUSES),
+        "num_retries": 1,
+    }
+    per_try = runtime.config.listener.per_try_timeout_s
+    if per_try > 0:
+        # Bounds each attempt until its response begins. Its expiry answers 504 and is not
+        # retried (no gateway-error in retry_on): the engine may be generating.
+        policy["per_try_timeout"] = _seconds(per_try)
+    return policy
+
+
+def _fallback_retry_policy(runtime: Runtime) -> Json:
     return {
-        "retry_on": "connect-failure,reset,refused-stream,gateway-error",
-        "num_retries": 2,
+        **_retry_conditions(runtime),
         "retry_host_predicate": [
             {
                 "name": "envoy.retry_host_predicates.previous_hosts",
@@ -159,13 +202,14 @@ def _fallback_retry_policy() -> Json:
 
 
 def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
-    timeout = _seconds(runtime.config.listener.route_timeout_s)
+    # Always explicit: an unset route timeout is Envoy's 15 s, which cuts most generations.
+    timers = {"timeout": _seconds(runtime.config.listener.route_timeout_s)}
     fallback: Json = {
         "match": {"prefix": "/"},
         "route": {
             "cluster": FALLBACK_CLUSTER,
-            "timeout": timeout,
-            "retry_policy": _fallback_retry_policy(),
+            **timers,
+            "retry_policy": _fallback_retry_policy(runtime),
         },
     }
     if opts.mode == "ring_hash":
@@ -178,8 +222,8 @@ def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
         "match": {"prefix": "/", "headers": [{"name": ROUTE_HEADER, "present_match": True}]},
         "route": {
             "cluster_header": ROUTE_HEADER,
-            "timeout": timeout,
-            "retry_policy": _retry_policy(),
+            **timers,
+            "retry_policy": _retry_policy(runtime),
         },
     }
     return [by_header, fallback]
@@ -306,6 +350,44 @@ def _access_log(path: str) -> list[Json]:
     ]
 
 
+def internal_only_headers(runtime: Runtime) -> list[str]:
+    """Headers only a trusted hop may set: the processor's own and the tenant tier."""
+    tier = runtime.config.session.tier_header
+    return [*FLEET_HEADERS, *([tier] if tier else [])]
+
+
+def _path_normalisation() -> Json:
+    """Hand the processor and the engines the same, canonical path.
+
+    The engines (uvicorn + Starlette) percent-decode the path, %2F included, so
+    ``/v1/chat/%63ompletions`` is chat completions to them; without normalisation the
+    processor saw an unknown path and Envoy served it on the fallback route, unbudgeted.
+    normalize_path (RFC 3986: decodes unreserved %XX, resolves dot segments) and merge_slashes
+    run before any filter; %2F/%5C are unescaped and forwarded. The processor also matches
+    paths canonically (core/api.py), for a trailing slash and letter case.
+    """
+    return {
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_FORWARD",
+    }
+
+
+def _edge_trust() -> Json:
+    """Envoy is the edge: every client is external.
+
+    use_remote_address (Envoy's edge best practice): the client is the TCP peer, not whatever
+    X-Forwarded-For claims, and the request is an edge request, whose x-envoy-* control headers
+    Envoy does not honour (e2e: a client's x-envoy-upstream-rq-timeout-ms / x-envoy-retry-on
+    change nothing). internal_address_config stays unset: on Envoy 1.40 that makes no address
+    internal, so internal_only_headers are stripped from every request, loopback and private
+    peers included, before any filter runs. (An explicit but empty cidr_ranges list brings back
+    the legacy default that treats private and loopback peers as internal and keeps their
+    headers: verified, a spoofed tier header then reached the processor.)
+    """
+    return {"use_remote_address": True}
+
+
 def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
     filters: list[Json] = []
     if opts.mode == "extproc":
@@ -316,18 +398,23 @@ def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
             "typed_config": {"@type": ext_type("filters.http.router.v3.Router")},
         }
     )
+    listener = runtime.config.listener
     hcm: Json = {
         "@type": ext_type("filters.network.http_connection_manager.v3.HttpConnectionManager"),
         "stat_prefix": "ingress",
         "codec_type": "AUTO",
-        # LLM requests are slow: the whole-request timeout is the route's; streams only idle out.
-        "request_timeout": "0s",
-        "stream_idle_timeout": "300s",
+        **_path_normalisation(),
+        **_edge_trust(),
+        # Only receiving the request is bounded by default; see ListenerConfig for each timer.
+        "request_timeout": _seconds(listener.request_receive_timeout_s),
+        "request_headers_timeout": _seconds(listener.request_headers_timeout_s),
+        # 0s disables Envoy's 5 min default: a long prefill sends no byte for minutes.
+        "stream_idle_timeout": _seconds(listener.stream_idle_timeout_s),
         "route_config": {
             "name": "fleet",
             # Stripped from external requests before any filter runs: a client cannot pick its
-            # own cluster or class, even when the processor is down (fail-open).
-            "internal_only_headers": list(FLEET_HEADERS),
+            # own cluster, class or tier, even when the processor is down (fail-open).
+            "internal_only_headers": internal_only_headers(runtime),
             "virtual_hosts": [
                 {"name": "fleet", "domains": ["*"], "routes": _routes(runtime, opts)}
             ],
@@ -404,6 +491,24 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     return out
 
 
+def _overload_manager(runtime: Runtime) -> Json:
+    # Without a global limit every connection (each may buffer a maximum-size body) is
+    # accepted until memory or file descriptors run out; Envoy warns about it at start.
+    return {
+        "resource_monitors": [
+            {
+                "name": "envoy.resource_monitors.global_downstream_max_connections",
+                "typed_config": {
+                    "@type": ext_type(
+                        "resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
+                    ),
+                    "max_active_downstream_connections": runtime.config.listener.max_connections,
+                },
+            }
+        ]
+    }
+
+
 def render_bootstrap(runtime: Runtime, opts: EnvoyOptions | None = None) -> Json:
     opts = opts or EnvoyOptions()
     cfg = runtime.config
@@ -412,8 +517,11 @@ def render_bootstrap(runtime: Runtime, opts: EnvoyOptions | None = None) -> Json
             # Admin can drain and reconfigure Envoy: never expose it beyond loopback.
             "address": {
                 "socket_address": {"address": "127.0.0.1", "port_value": cfg.listener.admin_port}
-            }
+            },
+            # The operator can still reach /stats and /clusters with the listener full.
+            "ignore_global_conn_limit": True,
         },
+        "overload_manager": _overload_manager(runtime),
         "static_resources": {
             "listeners": [
                 {

@@ -32,7 +32,13 @@ from urllib.parse import urlsplit
 
 from extproc.config.runtime import Runtime
 from extproc.core.fleet import Cluster
-from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, ROUTE_HEADER
+from extproc.names import BUFFER_HEADROOM, ROUTE_HEADER
+from extproc.render.envoy import (
+    LOCAL_ORIGIN_EJECT_AFTER,
+    RETRIABLE_STATUSES,
+    RETRY_ON,
+    internal_only_headers,
+)
 
 Json = dict[str, Any]
 Mode = Literal["envoy-gateway", "inference-pool", "all"]
@@ -61,7 +67,6 @@ INFERENCE = "inference.networking.k8s.io"
 MAX_RULES_PER_ROUTE = 16
 # Envoy Gateway: at most 256 endpoints per Backend (CRD maxItems).
 MAX_BACKEND_ENDPOINTS = 256
-RETRY_ON = ("connect-failure", "reset", "refused-stream", "gateway-error")
 
 _FQDN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\.?$")
 _LABEL_KEY = re.compile(
@@ -475,8 +480,20 @@ def _parent_ref(opts: GatewayOptions) -> Json:
     return ref
 
 
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
+
+
 def _timeouts(runtime: Runtime) -> Json:
-    return {"request": _duration(round(runtime.config.listener.route_timeout_s * 1000))}
+    # Always explicit: "0s" disables the timeout (Gateway API), and with none set Envoy Gateway
+    # leaves Envoy's 15 s route default, which cuts most generations.
+    listener = runtime.config.listener
+    timeouts = {"request": _duration(_ms(listener.route_timeout_s))}
+    if listener.per_try_timeout_s > 0:
+        # Per attempt, until the response begins (Envoy's per_try_timeout); must not exceed
+        # the request timeout when that one is set.
+        timeouts["backendRequest"] = _duration(_ms(listener.per_try_timeout_s))
+    return timeouts
 
 
 def pair_rule(value: Sequence[str], runtime: Runtime) -> Json:
@@ -600,11 +617,14 @@ def _active_health_check(path: str) -> Json:
 
 
 def _passive_health_check() -> Json:
-    # Eject on gateway errors (502/503/504) only. consecutive5XxErrors 0 turns the plain-5xx
-    # detector off: a model server's legitimate 500 must not take a whole cluster out.
+    # The bootstrap's outlier detection (render/envoy.py _outlier_detection): eject on
+    # local-origin failures (connect failures, resets, timeouts) only. An engine's own 429/503
+    # is backpressure and its 500 a bad request: consecutive5XxErrors 0 switches the 5xx
+    # detector off and consecutiveGatewayErrors is left unset (Envoy does not enforce it).
     return {
+        "splitExternalLocalOriginErrors": True,
+        "consecutiveLocalOriginFailures": LOCAL_ORIGIN_EJECT_AFTER,
         "consecutive5XxErrors": 0,
-        "consecutiveGatewayErrors": 1,
         "interval": "1s",
         "baseEjectionTime": "10s",
         "maxEjectionPercent": 100,
@@ -619,13 +639,16 @@ def render_traffic_policy(
         health["active"] = _active_health_check(path)
     spec: Json = {
         "targetRefs": [_target("HTTPRoute", r["metadata"]["name"]) for r in routes],
-        # A retry happens only before response headers (an SSE stream already started cannot be
-        # retried). One attempt per priority: the retry goes to the fallback Backend, like
+        # Only what cannot have generated (render/envoy.py _retry_conditions), once. One
+        # attempt per priority: the retry goes to the fallback Backend, like
         # previous_priorities in the bootstrap.
         "retry": {
-            "numRetries": 2,
+            "numRetries": 1,
             "numAttemptsPerPriority": 1,
-            "retryOn": {"triggers": list(RETRY_ON)},
+            "retryOn": {
+                "triggers": list(RETRY_ON),
+                "httpStatusCodes": list(RETRIABLE_STATUSES),
+            },
         },
         "healthCheck": health,
     }
@@ -637,6 +660,19 @@ def render_traffic_policy(
     )
 
 
+def _client_timeouts(runtime: Runtime) -> Json:
+    # The bootstrap's HCM timers (render/envoy.py): receiving the request is bounded, the
+    # response side is not ("0s" switches Envoy Gateway's 5 min stream idle default off).
+    listener = runtime.config.listener
+    http: Json = {
+        "requestReceivedTimeout": _duration(_ms(listener.request_receive_timeout_s)),
+        "streamIdleTimeout": _duration(_ms(listener.stream_idle_timeout_s)),
+    }
+    if listener.request_headers_timeout_s > 0:
+        http["requestHeadersReceivedTimeout"] = _duration(_ms(listener.request_headers_timeout_s))
+    return {"http": http}
+
+
 def render_client_policy(runtime: Runtime, opts: GatewayOptions) -> Json:
     return _object(
         ENVOY_GATEWAY + "/v1alpha1",
@@ -645,14 +681,21 @@ def render_client_policy(runtime: Runtime, opts: GatewayOptions) -> Json:
         _meta(PROCESSOR, opts.gateway_ns, "policy"),
         spec={
             "targetRefs": [_target("Gateway", opts.gateway)],
-            # Long-context bodies are MBs of JSON; the default 32 KiB buffer gives 413.
             "connection": {
-                "bufferLimit": _quantity(runtime.config.processor.max_body_bytes + BUFFER_HEADROOM)
+                # Long-context bodies are MBs of JSON; the default 32 KiB buffer gives 413.
+                "bufferLimit": _quantity(runtime.config.processor.max_body_bytes + BUFFER_HEADROOM),
+                # Per Envoy proxy, like the bootstrap's overload manager limit.
+                "connectionLimit": {"value": runtime.config.listener.max_connections},
             },
-            # Stripped before routing: a client cannot pick its own cluster or class, even when
-            # the processor is down (fail-open). Same list as the bootstrap's
-            # internal_only_headers.
-            "headers": {"earlyRequestHeaders": {"remove": list(FLEET_HEADERS)}},
+            "timeout": _client_timeouts(runtime),
+            # Same normalisation as the bootstrap: the processor and the engines see one
+            # canonical path, so no spelling of an inference path escapes placement and budgets.
+            "path": {"escapedSlashesAction": "UnescapeAndForward", "disableMergeSlashes": False},
+            # Stripped before any filter: a client cannot pick its own cluster, class or tier,
+            # even when the processor is down (fail-open). An auth filter (SecurityPolicy: JWT
+            # claimToHeaders, extAuth headersToBackend) runs later and may set the tier. Same
+            # list as the bootstrap's internal_only_headers.
+            "headers": {"earlyRequestHeaders": {"remove": internal_only_headers(runtime)}},
         },
     )
 

@@ -281,9 +281,13 @@ def test_existing_sessions_migrate_once_off_a_cluster_envoy_fails_over_from(
     admin = Client(stack.sim_specs[failing].port)
     try:
         admin.post_json("/admin/fault", b'{"mode": "refuse"}')
+        # "refuse" drops connections after accepting the request. Envoy no longer retries that
+        # (issue 12: the engine may have started generating), so wait for the active health
+        # check to take c3 out, as it would a dead engine, before the victims' next turn.
+        stack.wait_healthy([failing], healthy=False)
         second: dict[str, str] = {}
         for sid in victims:
-            # The first turn after the failure: Envoy retries on the secondary; the processor
+            # The first turn after the failure: Envoy fails over to the secondary; the processor
             # sees a response from another cluster than it chose and marks c3 failing.
             first = send(client, sid, 1)
             second[sid] = hash_order(runtime, sid)[1]

@@ -12,6 +12,7 @@ cross-references are checked by hand.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 import re
@@ -476,13 +477,21 @@ def test_traffic_policies_retry_to_fallback_and_health_check_each_clusters_path(
     for policy in of_kind(objs, "BackendTrafficPolicy"):
         spec = policy["spec"]
         retry = spec["retry"]
-        assert {"connect-failure", "reset", "refused-stream", "gateway-error"} <= set(
-            retry["retryOn"]["triggers"]
-        )
-        assert "5xx" not in retry["retryOn"]["triggers"]
-        assert retry["numAttemptsPerPriority"] == 1 and retry["numRetries"] >= 1
+        # Changed with issue 12: only conditions under which no generation can have started
+        # (a reset or a 504 after the engine had the request re-ran long generations).
+        assert set(retry["retryOn"]["triggers"]) == {
+            "connect-failure",
+            "refused-stream",
+            "reset-before-request",
+            "retriable-status-codes",
+        }
+        assert retry["retryOn"]["httpStatusCodes"] == [429, 503]
+        assert retry["numAttemptsPerPriority"] == 1 and retry["numRetries"] == 1
         passive = spec["healthCheck"]["passive"]
-        assert passive["consecutive5XxErrors"] == 0 and passive["consecutiveGatewayErrors"] >= 1
+        # An engine's 503 is backpressure: only local-origin failures eject.
+        assert passive["splitExternalLocalOriginErrors"] is True
+        assert passive["consecutiveLocalOriginFailures"] >= 1
+        assert passive["consecutive5XxErrors"] == 0 and "consecutiveGatewayErrors" not in passive
         names = [t["name"] for t in spec["targetRefs"]]
         targeted += names
         paths = {
@@ -523,7 +532,53 @@ def test_client_policy_raises_buffer_limit_and_strips_fleet_headers() -> None:
     units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
     value = int(limit[:-2]) * units[limit[-2:]] if limit[-2:] in units else int(limit)
     assert value == fleet.runtime.config.processor.max_body_bytes + (1 << 20)
-    assert policy["spec"]["headers"]["earlyRequestHeaders"]["remove"] == list(FLEET_HEADERS)
+    # Changed with issue 12: the tier header is stripped too (the compose fleet has one).
+    tier = fleet.runtime.config.session.tier_header
+    assert tier is not None
+    assert policy["spec"]["headers"]["earlyRequestHeaders"]["remove"] == [*FLEET_HEADERS, tier]
+    assert policy["spec"]["connection"]["connectionLimit"] == {"value": 10_000}
+    assert policy["spec"]["path"] == {
+        "escapedSlashesAction": "UnescapeAndForward",
+        "disableMergeSlashes": False,
+    }
+    # Receiving the request is bounded, the response side is not.
+    assert policy["spec"]["timeout"] == {
+        "http": {
+            "requestReceivedTimeout": "2m",
+            "streamIdleTimeout": "0s",
+            "requestHeadersReceivedTimeout": "10s",
+        }
+    }
+
+
+def test_client_policy_strips_a_client_sent_tier_header() -> None:
+    data = fleet_data(2)
+    data["session"] = {"tier_header": "x-tier"}
+    policy = one(render(fleet_from_dict(data)), "ClientTrafficPolicy")
+    assert policy["spec"]["headers"]["earlyRequestHeaders"]["remove"] == [
+        *FLEET_HEADERS,
+        "x-tier",
+    ]
+
+
+def test_operator_timeouts_are_honoured() -> None:
+    data = fleet_data(2)
+    data["listener"] = {
+        **data.get("listener", {}),
+        "route_timeout_s": 600,
+        "per_try_timeout_s": 30,
+        "stream_idle_timeout_s": 120,
+        "request_receive_timeout_s": 45,
+        "request_headers_timeout_s": 0,
+    }
+    objs = render(fleet_from_dict(data))
+    assert {json.dumps(rule["timeouts"]) for _, rule in fleet_rules(objs)} == {
+        json.dumps({"request": "10m", "backendRequest": "30s"})
+    }
+    policy = one(objs, "ClientTrafficPolicy")
+    assert policy["spec"]["timeout"] == {
+        "http": {"requestReceivedTimeout": "45s", "streamIdleTimeout": "2m"}
+    }
 
 
 def test_routes_attach_to_the_gateway_in_its_namespace() -> None:

@@ -167,7 +167,14 @@ def test_routes_by_cluster_header_then_falls_back(rendered: dict[str, Any]) -> N
     assert first["match"]["headers"] == [{"name": ROUTE_HEADER, "present_match": True}]
     assert "previous_priorities" in first["route"]["retry_policy"]["retry_priority"]["name"]
     retry_on = set(first["route"]["retry_policy"]["retry_on"].split(","))
-    assert {"connect-failure", "reset", "gateway-error"} <= retry_on
+    # Changed with issue 12: "reset" and "gateway-error" re-ran generations the engine had
+    # already started; only conditions under which nothing ran are retried.
+    assert retry_on == {
+        "connect-failure",
+        "refused-stream",
+        "reset-before-request",
+        "retriable-status-codes",
+    }
     # Fallback: no header (processor down, fail-open) still reaches a cluster.
     assert last["match"] == {"prefix": "/"}
     assert last["route"]["cluster"] == FALLBACK_CLUSTER
