@@ -30,7 +30,7 @@ EXTPROC_CLUSTER = "extproc"
 RETRY_ON = ("connect-failure", "refused-stream", "reset-before-request", "retriable-status-codes")
 # An engine's backpressure answers: it refused the request at admission.
 RETRIABLE_STATUSES = (429, 503)
-# Consecutive connect failures / resets / timeouts that eject a host.
+# Consecutive local-origin failures (connect failures, timeouts) that eject a host.
 LOCAL_ORIGIN_EJECT_AFTER = 3
 
 Json = dict[str, Any]
@@ -100,11 +100,12 @@ def _outlier_detection() -> Json:
 
     Without the split, Envoy counts an upstream's own 502/503/504 as gateway failures: one 503
     (an overloaded engine's backpressure) ejected the host. With split_external_local_origin_
-    errors, connect failures, resets and timeouts are local-origin events with their own
-    counter, and HTTP statuses from the engine are external. Every detector on external
-    statuses is switched off (5xx, gateway failure, success rate): an engine's 429/503 is
-    backpressure and its 500 a bad request, neither is a broken host. An engine that is really
-    broken fails its active health check as well.
+    errors, connect failures, timeouts and resets are local-origin events with their own
+    consecutive counter, and HTTP statuses from the engine are external. Every detector on
+    external statuses is off (5xx, gateway failure, success rate): an engine's 429/503 is
+    backpressure and its 500 a bad request, neither is a broken host. Measured on 1.40: a host
+    that accepts connections and then resets them is not ejected (each successful connect
+    resets the consecutive count); the active health check is what takes such a host out.
     """
     return {
         "split_external_local_origin_errors": True,
