@@ -1,0 +1,164 @@
+"""Edge limits through a real Envoy: slow-upload clients fill the connection limit, yet normal
+requests keep being served within a bound.
+
+- the global downstream connection limit (overload manager) closes connections beyond it at
+  accept, so slow clients cannot exhaust memory or file descriptors;
+- the request-receive timeouts (request_timeout, request_headers_timeout) end each slow upload,
+  which frees its connection: a new client is served within about that timeout;
+- a client on an established keep-alive connection is served throughout.
+Small values stand in for the defaults (10 000 connections, 120 s / 10 s).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from extproc.harness.launch import LOOPBACK, Client, FleetStack
+
+CHAT = "/v1/chat/completions"
+MAX_CONNECTIONS = 8
+RECEIVE_TIMEOUT_S = 2.0
+HEADERS_TIMEOUT_S = 1.0
+# A normal request must never wait longer than this, even with the edge full of slow clients.
+SERVED_WITHIN_S = 1.0
+# A new connection is served once the slow uploads are cut: the receive timeout plus slack for
+# a loaded machine.
+NEW_CLIENT_WITHIN_S = RECEIVE_TIMEOUT_S + 3.0
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    stack = FleetStack(
+        tmp_path_factory.mktemp("edge-limits"),
+        clusters=1,
+        fleet_overrides={
+            "listener": {
+                "max_connections": MAX_CONNECTIONS,
+                "request_receive_timeout_s": RECEIVE_TIMEOUT_S,
+                "request_headers_timeout_s": HEADERS_TIMEOUT_S,
+            }
+        },
+    )
+    with stack:
+        yield stack
+
+
+BODY = orjson.dumps(
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+)
+
+
+class SlowClient:
+    """Sends a request a byte at a time: its headers (slow-header) or its body (slow-upload)."""
+
+    def __init__(self, port: int, slow_headers: bool) -> None:
+        self.sock = socket.create_connection((LOOPBACK, port), timeout=10)
+        self.slow_headers = slow_headers
+        self.answer = b""
+        self.closed_after: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._started = time.monotonic()
+        self._thread.start()
+
+    def _run(self) -> None:
+        head = (
+            f"POST {CHAT} HTTP/1.1\r\nhost: edge\r\ncontent-type: application/json\r\n"
+            f"content-length: 100000\r\n\r\n"
+        ).encode()
+        if self.slow_headers:
+            pending = head
+        else:
+            self.sock.sendall(head)
+            pending = b"{" + b" " * 99_999
+        self.sock.settimeout(0.2)
+        try:
+            for byte in pending:
+                if self._stop.is_set():
+                    return
+                self.sock.sendall(bytes([byte]))
+                with contextlib.suppress(TimeoutError):
+                    data = self.sock.recv(4096)
+                    if not data:
+                        break
+                    self.answer += data
+                    break
+        except OSError:
+            pass  # Envoy closed the connection: what the test waits for.
+        self.closed_after = time.monotonic() - self._started
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.sock.close()
+
+
+def _connection_is_refused(port: int) -> bool:
+    """True when Envoy closes a new connection at once (the connection limit)."""
+    with socket.create_connection((LOOPBACK, port), timeout=5) as sock:
+        sock.settimeout(2)
+        try:
+            sock.sendall(
+                f"POST {CHAT} HTTP/1.1\r\nhost: edge\r\ncontent-length: 0\r\n\r\n".encode()
+            )
+            return sock.recv(1024) == b""
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+
+
+def test_slow_clients_at_the_connection_limit_do_not_starve_normal_requests(
+    edge: FleetStack,
+) -> None:
+    port = edge.listener_port
+    steady = Client(port)
+    # The steady client's keep-alive connection exists before the slow clients arrive.
+    assert steady.post_json(CHAT, BODY)[0] == 200
+    overflow_before = edge.envoy_stat(f"listener.127.0.0.1_{port}.downstream_global_cx_overflow")
+    slow = [SlowClient(port, slow_headers=i % 2 == 0) for i in range(MAX_CONNECTIONS - 1)]
+    started = time.monotonic()
+    try:
+        # The edge is full: one more connection is closed at accept.
+        assert _connection_is_refused(port)
+        overflow = edge.envoy_stat(f"listener.127.0.0.1_{port}.downstream_global_cx_overflow")
+        assert overflow > overflow_before
+        # The steady client is served, promptly, while the slow clients hold the rest.
+        while time.monotonic() - started < RECEIVE_TIMEOUT_S:
+            t0 = time.monotonic()
+            status, _headers, _data = steady.post_json(CHAT, BODY)
+            assert status == 200
+            assert time.monotonic() - t0 < SERVED_WITHIN_S
+            time.sleep(0.1)
+        # The receive timers end every slow request (408, or a close for slow headers), which
+        # frees the connections: a new client gets in within the bound.
+        served_new_at = None
+        while time.monotonic() - started < NEW_CLIENT_WITHIN_S:
+            fresh = Client(port, timeout=5)
+            try:
+                if fresh.post_json(CHAT, BODY)[0] == 200:
+                    served_new_at = time.monotonic() - started
+                    break
+            except OSError:
+                pass  # still full: Envoy closed it at accept
+            finally:
+                fresh.close()
+            time.sleep(0.1)
+        assert served_new_at is not None, [(c.closed_after, c.answer[:60]) for c in slow]
+        for client in slow:
+            assert client.closed_after is not None
+            assert client.closed_after < NEW_CLIENT_WITHIN_S, client.closed_after
+            if client.answer:
+                assert client.answer.startswith(b"HTTP/1.1 408"), client.answer[:80]
+        print(f"\nnew client served {served_new_at:.2f}s after the edge filled up")
+    finally:
+        for client in slow:
+            client.stop()
+        steady.close()
