@@ -243,18 +243,17 @@ def request_tokens(facts: RequestFacts) -> int:
     return facts.input_tokens
 
 
-def _describe_cost(facts: RequestFacts) -> str:
-    return f"{facts.input_tokens} estimated input tokens"
+def plan(tokens: int, route: Route) -> Demand | Reject | None:
+    """The demand to reserve, a 413 when no budget state could admit it, or None (unbudgeted).
 
-
-def plan(facts: RequestFacts, route: Route) -> Demand | Reject | None:
-    """The demand to reserve, a 413 when no budget state could admit it, or None (unbudgeted)."""
+    ``tokens``: the request's cost against its class budget (:func:`request_tokens`).
+    """
     cls = route.request_class
     budget = cls.budget
     if not budget.enforced:
         return None
     limits = Limits.of(budget)
-    demand = Demand(route.placement.primary, cls.name, request_tokens(facts), budget, limits)
+    demand = Demand(route.placement.primary, cls.name, tokens, budget, limits)
     cap = limits.largest_admissible
     if cap is not None and demand.tokens > cap:
         what = (
@@ -263,7 +262,7 @@ def plan(facts: RequestFacts, route: Route) -> Demand | Reject | None:
             else "per burst (its token-rate limit)"
         )
         message = (
-            f"this request needs {_describe_cost(facts)}, but request class '{cls.name}' "
+            f"this request needs {tokens} estimated input tokens, but request class '{cls.name}' "
             f"allows at most {cap} tokens {what}, so it can never be admitted; shorten the "
             "input"
         )

@@ -1,6 +1,6 @@
 """Load- and pressure-aware affinity: where a request goes when pure hashing is not enough.
 
-``place(facts, ranked, snapshot, session, now, params) -> Decision`` is a pure function. The
+``place(source, ranked, snapshot, session, now, params) -> Decision`` is a pure function. The
 shell feeds it the session's candidates in hash order (``Rendezvous.ranked``), a snapshot of the
 fleet's load, what it remembers about the session (seen recently? an override?) and ``now``;
 it writes back the override the decision asks for. Nothing here reads a clock or a store.
@@ -56,7 +56,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from extproc.core.facts import RequestFacts
 from extproc.core.keys import KeySource
 from extproc.core.load import FleetSnapshot
 from extproc.core.placement import Placement
@@ -230,19 +229,20 @@ def _migrate(
 
 
 def place(
-    facts: RequestFacts,
+    source: KeySource,
     ranked: Sequence[str],
     snapshot: FleetSnapshot,
     session: SessionView,
     now: float,
     params: AffinityParams,
 ) -> Decision:
-    """Where this request runs; ``ranked`` is its candidates in hash order (never empty)."""
+    """Where this request runs; ``ranked`` is its candidates in hash order (never empty);
+    ``source`` is where its session key came from (only prefix keys may be hot-spread)."""
     primary = ranked[0]
     judge = _judge(ranked, snapshot, now, params)
 
     if (
-        facts.session.source is KeySource.PREFIX
+        source is KeySource.PREFIX
         and params.hot_key_spread >= 2
         and session.key_share >= params.hot_key_share
     ):

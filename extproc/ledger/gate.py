@@ -38,6 +38,7 @@ from extproc.core.admission import (
     Reject,
     Ticket,
     plan,
+    request_tokens,
     unavailable,
     verdict,
 )
@@ -182,7 +183,7 @@ class AdmissionGate:
 
     async def admit(self, facts: RequestFacts, route: Route) -> Admitted | Reject | None:
         """Reserve budget for one request on its primary cluster. Never raises for Redis."""
-        planned = plan(facts, route)
+        planned = plan(request_tokens(facts), route)
         if planned is None:
             self._m.admissions.labels(route.request_class.name, "unbudgeted").inc()
             return None

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Mapping
 
 from extproc.config.runtime import Runtime
-from extproc.core.admission import Admitted, Reject, plan
+from extproc.core.admission import Admitted, Reject, plan, request_tokens
 from extproc.core.affinity import Decision, Kind, place
 from extproc.core.api import Api, BadRequest, api_for_path
 from extproc.core.decide import Route
@@ -157,7 +157,7 @@ class Pipeline:
             route = Route(decision.placement, route.request_class)
             kind = decision.kind
         if not record:
-            planned = plan(facts, route)
+            planned = plan(request_tokens(facts), route)
             if isinstance(planned, Reject):
                 return Rejected(facts, route, kind, planned)
             return Routed(facts, route, kind, Hold(api), self._endpoints(runtime, facts, route))
@@ -238,7 +238,7 @@ class Pipeline:
             self._decisions += 1
         view = await fleet.view(facts, ranked[0], now, params, salt, record=record)
         snapshot = fleet.load.snapshot(ranked, now, self._ready_clusters(runtime))
-        decision = place(facts, ranked, snapshot, view, now, params)
+        decision = place(facts.session.source, ranked, snapshot, view, now, params)
         if record:
             if decision.migration_reason is not None:
                 # The session leaves the cluster holding its cache: one re-prefill on the new one.

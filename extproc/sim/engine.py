@@ -4,12 +4,11 @@ Every policy runs over the same prepared :class:`Scenario` (same requests, same 
 events), each with its own seeded RNG, so results do not depend on which policies ran or in
 which process.
 
-Admission is the gateway's own code path, not a copy: :func:`extproc.core.admission.plan`
-turns (facts, route) into a Demand or a 413, :class:`extproc.ledger.memory.MemoryLedger`
-checks and reserves atomically on the simulated clock, and
-:func:`extproc.core.admission.verdict` turns a refusal into a 429 whose ``retry-after`` the
-simulated client honours (up to ``max_retries`` times). Tickets are released when the request
-finishes (its decode ends), as the ext_proc stream would end then.
+Admission is the gateway's own code path, not a copy: the pipeline's admission step
+(:func:`extproc.pipeline.admission.admit_first_fit`: ``plan`` → the in-memory ledger's atomic
+reserve on the simulated clock → ``verdict``) answers with a ticket, a 413, or a 429 whose
+``retry-after`` the simulated client honours (up to ``max_retries`` times). Tickets are
+released when the request finishes (its decode ends), as the ext_proc stream would end then.
 
 Events are exact, not time-stepped: each request's whole timeline is fixed when it is admitted
 (``model.ClusterState.serve``), so there is nothing to advance between arrivals.
@@ -26,14 +25,9 @@ from random import Random
 import numpy as np
 import numpy.typing as npt
 
-from extproc.core.admission import Reject, plan, verdict
-from extproc.core.api import Api
-from extproc.core.decide import Route
-from extproc.core.facts import RequestFacts
 from extproc.core.fleet import RequestClass
-from extproc.core.keys import KeySource, hash_key
-from extproc.core.placement import Placement
 from extproc.ledger.memory import MemoryLedger
+from extproc.pipeline.admission import admit_first_fit
 from extproc.sim.events import Event, Kind, validate
 from extproc.sim.model import ClusterSpec, ClusterState
 from extproc.sim.policies import FleetView, make_policy
@@ -195,9 +189,6 @@ def run_policy(
     ledger = MemoryLedger(lambda: clock[0])
     classes = config.classes
     bulkheads = policy.bulkheads and any(c.budget.enforced for c in classes)
-    # Placement is done above from the session's point; the facts' own key is never read by
-    # plan(), so one fixed key serves every request.
-    session_key = hash_key(KeySource.HEADER, b"fleet-simulator")
 
     times = traffic.times
     templates = traffic.templates
@@ -301,29 +292,14 @@ def run_policy(
         if bulkheads:
             klass = classes[t_class[tp]]
             if klass.budget.enforced:
-                facts = RequestFacts(
-                    Api.OPENAI_CHAT, "sim", session_key, t_in[tp], t_out[tp], None, True, 0
+                tried = cands if spill(new) else cands[:1]
+                admission = admit_first_fit(
+                    ledger, t_in[tp], klass, [names[charge] for _sc, charge in tried], retry_rng
                 )
-                refusal: Reject | None = None
-                chosen = -1
-                for sc, charge in cands if spill(new) else cands[:1]:
-                    demand = plan(facts, Route(Placement(names[charge], None), klass))
-                    if isinstance(demand, Reject):
-                        refusal = demand
-                        break
-                    if demand is None:
-                        chosen = sc
-                        break
-                    answer = ledger.reserve_now(demand)
-                    if answer.granted:
-                        chosen, ticket = sc, answer.ticket
-                        break
-                    if refusal is None:
-                        # Not granted, so verdict() answers with the 429 and its retry hint.
-                        outcome = verdict(demand, answer, retry_rng)
-                        if isinstance(outcome, Reject):
-                            refusal = outcome
+                ticket = admission.ticket
+                chosen = tried[admission.index][0] if admission.index >= 0 else -1
                 if chosen < 0:
+                    refusal = admission.refusal
                     assert refusal is not None
                     if refusal.status == 429 and attempt < config.max_retries:
                         rejections[i] += 1

@@ -22,9 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from extproc.core.affinity import AffinityParams, Override, SessionView, place
-from extproc.core.api import Api
-from extproc.core.facts import RequestFacts
-from extproc.core.keys import KeySource, hash_key
+from extproc.core.keys import KeySource
 from extproc.core.load import ClusterLoad, FleetSnapshot
 from extproc.sim.model import ClusterState
 
@@ -210,10 +208,6 @@ class CoreAffinity(Bulkheads):
     def __init__(self, spill_wait_s: float = 2.0) -> None:
         super().__init__(spill_wait_s)
         self.params = AffinityParams(enabled=True)
-        # place() reads only the key's source (a header key is never hot-spread) from facts.
-        self._facts = RequestFacts(
-            Api.OPENAI_CHAT, "sim", hash_key(KeySource.HEADER, b"sim"), 1, None, None, True, 0
-        )
         self._seen_at: dict[int, float] = {}
         self._overrides: dict[int, Override] = {}
         self._index: dict[str, int] = {}
@@ -235,7 +229,8 @@ class CoreAffinity(Bulkheads):
         seen_at = self._seen_at.get(session)
         seen = seen_at is not None and now - seen_at <= self.params.new_session_ttl_s
         decision = place(
-            self._facts,
+            # Simulated sessions carry explicit ids: a header key, never hot-spread.
+            KeySource.HEADER,
             [names[c] for c in ranked_ix],
             snapshot,
             SessionView(seen, self._overrides.get(session)),

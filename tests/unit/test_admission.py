@@ -89,7 +89,7 @@ def facts(
 
 
 def planned(rt: Runtime, f: RequestFacts) -> Demand | Reject | None:
-    return plan(f, rt.policy.route(f))
+    return plan(request_tokens(f), rt.policy.route(f))
 
 
 # -- class boundaries ---------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def test_demand_is_charged_to_the_primary_cluster_within_the_eligible_set() -> N
     for i in range(200):
         f = facts(50_000, session=f"session-{i}")
         route = rt.policy.route(f)
-        demand = plan(f, route)
+        demand = plan(request_tokens(f), route)
         assert isinstance(demand, Demand)
         assert demand.cluster == route.placement.primary
         seen.add(demand.cluster)

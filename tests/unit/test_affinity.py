@@ -75,7 +75,7 @@ def decide(
     params: AffinityParams = PARAMS,
     now: float = NOW,
 ) -> Decision:
-    return place(f or facts(), ranked, snapshot, session, now, params)
+    return place((f or facts()).session.source, ranked, snapshot, session, now, params)
 
 
 # -- a quiet fleet is pure hashing ------------------------------------------------------------

@@ -96,3 +96,23 @@ def test_memory_is_bounded_and_heavy_keys_survive_pruning() -> None:
 def test_invalid_parameters_fail_loudly(half_life: float, max_keys: int) -> None:
     with pytest.raises(ValueError):
         HotKeys(half_life, max_keys)
+
+
+@pytest.mark.parametrize(
+    ("key", "cluster", "min_volume"),
+    [("viral", "c1", 0.0), ("viral", "c1", 30.0), ("other", "c1", 5.0), ("new", "c2", 0.0)],
+)
+def test_share_if_observed_is_the_share_right_after_observing(
+    key: str, cluster: str, min_volume: float
+) -> None:
+    """explain previews a decision: it must see the share the live request will see."""
+    plan = [("viral", "c1"), ("viral", "c1"), ("other", "c1"), ("viral", "c2")] * 10
+    previewed = HotKeys(half_life_s=10.0)
+    now = feed(previewed, plan, 0.0, 0.05)
+    before = len(previewed)
+    expected_hot = HotKeys(half_life_s=10.0)
+    feed(expected_hot, plan, 0.0, 0.05)
+    expected_hot.observe(key, cluster, now)
+    preview = previewed.share_if_observed(key, cluster, now, min_volume)
+    assert preview == pytest.approx(expected_hot.share(key, cluster, now, min_volume))
+    assert len(previewed) == before  # nothing recorded

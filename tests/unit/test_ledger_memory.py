@@ -19,6 +19,7 @@ from extproc.core.admission import (
     Reject,
     Ticket,
     plan,
+    request_tokens,
 )
 from extproc.core.api import Api
 from extproc.core.facts import RequestFacts
@@ -251,5 +252,5 @@ def test_plan_for_the_gate_uses_the_primary_cluster() -> None:
     rt = runtime(max_concurrent=2)
     f = request(10)
     route = rt.policy.route(f)
-    d = plan(f, route)
+    d = plan(request_tokens(f), route)
     assert isinstance(d, Demand) and d.cluster == route.placement.primary
