@@ -23,76 +23,11 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from extproc.config import ConfigError, Runtime, load_runtime
-from extproc.core.api import BadRequest
 from extproc.ledger.gate import build_gate
 from extproc.metrics import Metrics
-from extproc.pipeline.outcomes import Outcome, Passthrough, Rejected, Routed
+from extproc.pipeline.explain import explain_outcome, request_headers
+from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
-
-
-def explain_outcome(runtime: Runtime, outcome: Outcome) -> dict[str, object]:
-    """A pipeline outcome as the JSON ``explain`` prints."""
-    base: dict[str, object] = {"config_version": runtime.version}
-    if isinstance(outcome, Passthrough):
-        return {**base, "outcome": "passthrough"}
-    if isinstance(outcome, BadRequest):
-        return {
-            **base,
-            "outcome": "bad_request",
-            "status": outcome.status,
-            "message": outcome.message,
-        }
-    facts, route = outcome.facts, outcome.route
-    cls = route.request_class
-    budget = cls.budget
-    result: dict[str, object] = {
-        **base,
-        "outcome": "route" if isinstance(outcome, Routed) else "reject",
-        "facts": {
-            "api": facts.api.value,
-            "model": facts.model,
-            "session": facts.session.label,
-            "session_source": facts.session.source.value,
-            "input_tokens_estimate": facts.input_tokens,
-            "max_output_tokens": facts.max_output_tokens,
-            "tier": facts.tier,
-            "stream": facts.stream,
-            "body_bytes": facts.body_bytes,
-        },
-        "class": cls.name,
-        "kind": outcome.kind,
-        "primary": route.placement.primary,
-        "secondary": route.placement.secondary,
-        "x-fleet-route": route.placement.route,
-        "preference_order": runtime.policy.placers[cls.name].ranked(facts.session.point),
-        "budget_per_cluster": {
-            "max_inflight_tokens": budget.max_inflight_tokens,
-            "max_concurrent": budget.max_concurrent,
-            "tokens_per_second": budget.tokens_per_second,
-            "burst_tokens": budget.burst_tokens,
-            "enforced": budget.enforced,
-        },
-    }
-    if isinstance(outcome, Routed):
-        if outcome.endpoints is not None:
-            result["endpoints"] = list(outcome.endpoints)
-    else:
-        assert isinstance(outcome, Rejected)
-        reject = outcome.reject
-        result["status"] = reject.status
-        result["reason"] = str(reject.reason)
-        result["message"] = reject.message
-    return result
-
-
-def request_headers(path: str, headers: dict[str, str]) -> dict[str, str]:
-    """Headers as the pipeline sees them from Envoy: lower-case names, pseudo-headers set."""
-    return {
-        "content-type": "application/json",
-        **{k.lower(): v for k, v in headers.items()},
-        ":method": "POST",
-        ":path": path,
-    }
 
 
 async def explain_offline(

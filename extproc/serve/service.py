@@ -34,13 +34,13 @@ from extproc.config import ConfigError, Runtime, load_runtime
 from extproc.config.label_secret import LabelSecret, warn_if_per_process
 from extproc.config.load import runtime_from_bytes
 from extproc.config.runtime import scale_budgets
-from extproc.explain import explain_outcome, request_headers
 from extproc.ledger.gate import AdmissionGate, build_gate
 from extproc.logs import setup_logging
 from extproc.loop_monitor import LoopMonitor
 from extproc.metrics import Metrics
 from extproc.names import BUFFER_HEADROOM
 from extproc.pipeline.endpoint_health import EndpointHealth
+from extproc.pipeline.explain import explain_outcome, request_headers
 from extproc.pipeline.fleet_state import FleetState, RedisSessions
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import FleetProcessor
