@@ -20,7 +20,9 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
+from extproc.config import load_runtime
 from extproc.harness.launch import LOOPBACK, Client, FleetStack
+from tests.e2e.predict import placement_for
 
 CHAT = "/v1/chat/completions"
 MAX_CONNECTIONS = 8
@@ -31,6 +33,7 @@ SERVED_WITHIN_S = 1.0
 # A new connection is served once the slow uploads are cut: the receive timeout plus slack for
 # a loaded machine.
 NEW_CLIENT_WITHIN_S = RECEIVE_TIMEOUT_S + 3.0
+MAX_BODY_BYTES = 4 << 20
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,8 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
                 "max_connections": MAX_CONNECTIONS,
                 "request_receive_timeout_s": RECEIVE_TIMEOUT_S,
                 "request_headers_timeout_s": HEADERS_TIMEOUT_S,
-            }
+            },
+            "processor": {"max_body_bytes": MAX_BODY_BYTES},
         },
     )
     with stack:
@@ -162,3 +166,32 @@ def test_slow_clients_at_the_connection_limit_do_not_starve_normal_requests(
         for client in slow:
             client.stop()
         steady.close()
+
+
+def _body_of_size(size: int) -> bytes:
+    head = b'{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "'
+    tail = b'"}]}'
+    return head + b"x" * (size - len(head) - len(tail)) + tail
+
+
+def test_the_largest_allowed_body_is_admitted_and_one_byte_more_is_a_json_413(
+    edge: FleetStack,
+) -> None:
+    # The buffer limits admit the configured maximum body: it is placed and budgeted like any
+    # request (not failed open by a buffer or the ext_proc message timeout), and the processor,
+    # not Envoy, refuses one byte more.
+    headers = {"x-session-id": "largest-body"}
+    largest = _body_of_size(MAX_BODY_BYTES)
+    assert len(largest) == MAX_BODY_BYTES
+    primary = placement_for(load_runtime(edge.fleet_path), CHAT, largest, headers).primary
+    client = Client(edge.listener_port)
+    try:
+        before = edge.envoy_stat("cluster.all_clusters.upstream_rq_total")
+        status, hdrs, data = client.post_json(CHAT, largest, headers)
+        assert (status, hdrs.get("x-served-by")) == (200, primary), data[:200]
+        assert edge.envoy_stat("cluster.all_clusters.upstream_rq_total") == before
+        status, _hdrs, data = client.post_json(CHAT, _body_of_size(MAX_BODY_BYTES + 1), headers)
+        assert status == 413
+        assert orjson.loads(data)["error"]["code"] == "request_too_large"
+    finally:
+        client.close()

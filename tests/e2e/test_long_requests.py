@@ -148,3 +148,26 @@ def test_operator_timeouts_are_honoured(operator: FleetStack) -> None:
     assert w["seconds"] < 3, w["seconds"]
     # UT: upstream request timeout, for both cut requests.
     assert _flags(operator, 3) == ["-", "UT", "UT"]
+
+
+@pytest.fixture(scope="module")
+def idle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    stack = _stack(tmp_path_factory.mktemp("timers-idle"), listener={"stream_idle_timeout_s": 1.5})
+    with stack:
+        yield stack
+
+
+def test_operator_stream_idle_timeout_ends_only_silent_requests(idle: FleetStack) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        # Tokens every ~0.1 s for ~6.4 s: never idle for 1.5 s, so it completes.
+        streamed = pool.submit(_send, idle.listener_port, _body(8, True, "s"))
+        # Unstreamed: silent until the end -> ended after 1.5 s of silence (Envoy answers 504
+        # "stream timeout" once the request was fully received; flag SI).
+        whole = pool.submit(_send, idle.listener_port, _body(8, False, "w"))
+        s, w = streamed.result(), whole.result()
+    assert s["status"] == 200 and s["complete"], s
+    assert s["body"].rstrip().endswith(b"data: [DONE]")
+    assert s["seconds"] > 3, s["seconds"]
+    assert w["status"] == 504 and w["body"] == b"stream timeout", w
+    assert w["seconds"] < 4, w["seconds"]
+    assert _flags(idle, 2) == ["-", "SI"]
