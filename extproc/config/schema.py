@@ -49,6 +49,10 @@ class ListenerConfig(Strict):
     # connections are closed at accept. Worst-case buffered memory is this many times
     # processor.max_body_bytes + 1 MiB.
     max_connections: int = Field(default=10_000, ge=1)
+    # Concurrent HTTP/2 streams per client connection (Envoy's default is 2^31 - 1): each may
+    # buffer a maximum-size body, so without it the connection limit bounds nothing for HTTP/2
+    # clients. Raise it for a trusted proxy in front that multiplexes many requests.
+    max_streams_per_connection: int = Field(default=100, ge=1)
 
 
 class ProcessorConfig(Strict):

@@ -32,6 +32,9 @@ RETRY_ON = ("connect-failure", "refused-stream", "reset-before-request", "retria
 RETRIABLE_STATUSES = (429, 503)
 # Consecutive local-origin failures (connect failures, timeouts) that eject a host.
 LOCAL_ORIGIN_EJECT_AFTER = 3
+# HTTP/2 flow-control windows for clients (see _http2_limits).
+H2_STREAM_WINDOW = 1 << 20
+H2_CONNECTION_WINDOW = 16 << 20
 
 Json = dict[str, Any]
 
@@ -374,6 +377,18 @@ def _path_normalisation() -> Json:
     }
 
 
+def _http2_limits(runtime: Runtime) -> Json:
+    """HTTP/2 clients: a bounded number of streams per connection, and flow-control windows
+    that bound what a client may send beyond Envoy's buffers (Envoy's defaults: 2^31 - 1 streams
+    and 256 MiB windows). A 1 MiB stream window still uploads a large body at 1 MiB per round
+    trip (10 MB/s at 100 ms)."""
+    return {
+        "max_concurrent_streams": runtime.config.listener.max_streams_per_connection,
+        "initial_stream_window_size": H2_STREAM_WINDOW,
+        "initial_connection_window_size": H2_CONNECTION_WINDOW,
+    }
+
+
 def _edge_trust() -> Json:
     """Envoy is the edge: every client is external.
 
@@ -411,6 +426,7 @@ def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
         "request_headers_timeout": _seconds(listener.request_headers_timeout_s),
         # 0s disables Envoy's 5 min default: a long prefill sends no byte for minutes.
         "stream_idle_timeout": _seconds(listener.stream_idle_timeout_s),
+        "http2_protocol_options": _http2_limits(runtime),
         "route_config": {
             "name": "fleet",
             # Stripped from external requests before any filter runs: a client cannot pick its

@@ -17,6 +17,10 @@ import threading
 import time
 from collections.abc import Iterator
 
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
 import orjson
 import pytest
 
@@ -195,3 +199,21 @@ def test_the_largest_allowed_body_is_admitted_and_one_byte_more_is_a_json_413(
         assert orjson.loads(data)["error"]["code"] == "request_too_large"
     finally:
         client.close()
+
+
+def test_http2_clients_get_a_bounded_number_of_streams(edge: FleetStack) -> None:
+    # Each stream may buffer a maximum-size body: the connection limit bounds memory only if
+    # the streams per connection are bounded too (Envoy's own default is 2^31 - 1).
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    with socket.create_connection((LOOPBACK, edge.listener_port), timeout=10) as sock:
+        conn.initiate_connection()
+        sock.sendall(conn.data_to_send())
+        settings: dict[int, int] = {}
+        while not settings:
+            data = sock.recv(65536)
+            assert data, "Envoy closed the HTTP/2 connection"
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.RemoteSettingsChanged):
+                    settings = {k: v.new_value for k, v in event.changed_settings.items()}
+    assert settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == 100
+    assert settings[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE] == 1 << 20

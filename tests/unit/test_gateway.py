@@ -537,6 +537,11 @@ def test_client_policy_raises_buffer_limit_and_strips_fleet_headers() -> None:
     assert tier is not None
     assert policy["spec"]["headers"]["earlyRequestHeaders"]["remove"] == [*FLEET_HEADERS, tier]
     assert policy["spec"]["connection"]["connectionLimit"] == {"value": 10_000}
+    assert policy["spec"]["http2"] == {
+        "maxConcurrentStreams": 100,
+        "initialStreamWindowSize": "1Mi",
+        "initialConnectionWindowSize": "16Mi",
+    }
     assert policy["spec"]["path"] == {
         "escapedSlashesAction": "UnescapeAndForward",
         "disableMergeSlashes": False,

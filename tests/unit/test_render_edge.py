@@ -135,14 +135,21 @@ def test_edge_limits(defaults: dict[str, Any]) -> None:
     assert monitor["typed_config"]["max_active_downstream_connections"] == 10_000
     assert defaults["admin"]["ignore_global_conn_limit"] is True
     (listener,) = defaults["static_resources"]["listeners"]
+    assert _hcm(defaults)["http2_protocol_options"] == {
+        "max_concurrent_streams": 100,
+        "initial_stream_window_size": 1 << 20,
+        "initial_connection_window_size": 16 << 20,
+    }
     # Still admits the largest body the processor accepts.
     assert listener["per_connection_buffer_limit_bytes"] == (32 << 20) + BUFFER_HEADROOM
 
 
 def test_connection_limit_is_the_operators(tmp_path: Path) -> None:
-    config = render_bootstrap(runtime_with(max_connections=64), EnvoyOptions(mode="extproc"))
+    runtime = runtime_with(max_connections=64, max_streams_per_connection=1000)
+    config = render_bootstrap(runtime, EnvoyOptions(mode="extproc"))
     (monitor,) = config["overload_manager"]["resource_monitors"]
     assert monitor["typed_config"]["max_active_downstream_connections"] == 64
+    assert _hcm(config)["http2_protocol_options"]["max_concurrent_streams"] == 1000
     validate(config, tmp_path)
 
 
