@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import orjson
 
 from extproc.core.api import Api, BadRequest, ErrorStyle, api_for_path
+from extproc.core.chains import ChainSketch
 from extproc.core.keys import KeyRules, KeySource, SessionKey, derive_session_key
 
 
@@ -60,8 +61,12 @@ def parse_request(
     body: bytes,
     rules: KeyRules,
     limits: ParseLimits,
+    sketch: ChainSketch | None = None,
 ) -> RequestFacts | BadRequest:
-    """Read an inference request. ``headers`` are lower-cased names; only trusted ones are used."""
+    """Read an inference request. ``headers`` are lower-cased names; only trusted ones are used.
+
+    ``sketch``: the common chains the chain key learns (extproc.core.chains); the processor
+    passes its own, so parsing a request also counts it."""
     api = api_for_path(path)
     style = api.error_style if api is not None else ErrorStyle.OPENAI
     if api is None:
@@ -98,7 +103,7 @@ def parse_request(
     model = doc.get("model")
     if not isinstance(model, str):
         model = ""
-    session = derive_session_key(api, headers, doc, rules)
+    session = derive_session_key(api, headers, doc, rules, sketch)
     if isinstance(session, BadRequest):
         return session
     tier = headers.get(rules.tier_header) if rules.tier_header else None

@@ -2,8 +2,12 @@
 
 Precedence, first match wins: a trusted header, then configured body fields, then a prefix key.
 
-The prefix key hashes the conversation's *opening*: the system/instructions text (capped) plus
-the first ``first_message_chars`` characters of the first non-system message. Why this shape:
+The prefix key is the *chain key* by default (``extproc.core.chains``: the shortest chain of
+prompt chunks that is not common to many conversations, learnt by a sketch the shell owns).
+The older *opening key* (``prefix.key: opening``) remains for comparison; it hashes the
+conversation's *opening*: the system/instructions text (capped) plus the first
+``first_message_chars`` characters of the first non-system message. Why that shape (and where
+it fails: an opening shared outside the system role sends everything to one cluster):
 
 - turn k+1 of a chat repeats turn k's messages and appends, so its opening is unchanged and the
   key is stable across turns;
@@ -29,8 +33,17 @@ import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Literal
 
 from extproc.core.api import Api, BadRequest
+from extproc.core.chains import (
+    Chain,
+    ChainParams,
+    ChainSketch,
+    KeyNode,
+    chunk_chain,
+    prompt_segments,
+)
 
 SYSTEM_ROLES = frozenset({"system", "developer"})
 
@@ -80,6 +93,9 @@ class KeyRules:
     # per-process secret: extproc.config.label_secret); the empty default is for offline tools
     # whose labels never leave the process.
     label_secret: bytes = field(default=b"", repr=False)
+    # "chain": extproc.core.chains (default); "opening": system text + first message (capped).
+    prefix_key: Literal["chain", "opening"] = "chain"
+    chain: ChainParams = field(default_factory=ChainParams)
 
 
 def hash_key(source: KeySource, material: bytes, label_secret: bytes = b"") -> SessionKey:
@@ -259,8 +275,39 @@ def prefix_material(api: Api, doc: Mapping[str, object], rules: KeyRules) -> byt
     return opening.material()
 
 
+def request_chain(api: Api, doc: Mapping[str, object], params: ChainParams) -> Chain:
+    segments = prompt_segments(api, doc, params.scan_bytes)
+    # A completions prompt's last chunk may grow in the next turn (no message boundary).
+    return chunk_chain(segments, params, last_segment_complete=api is not Api.OPENAI_COMPLETIONS)
+
+
+def chain_key(
+    api: Api, doc: Mapping[str, object], rules: KeyRules, sketch: ChainSketch | None
+) -> SessionKey:
+    """The chain key; with a sketch, the request also counts toward what is common.
+
+    Without a sketch nothing is common and the key is the first chunk's chain (offline tools
+    that look at one request; the processor always has one).
+    """
+    chain = request_chain(api, doc, rules.chain)
+    if not chain.hashes:
+        return hash_key(KeySource.PREFIX, b"chain\x1f", rules.label_secret)
+    node = sketch.key_node(chain) if sketch is not None else None
+    if node is None:
+        node = KeyNode(chain.hashes[0], 1, False)
+    elif sketch is not None:
+        sketch.observe(chain, node)
+    return hash_key(
+        KeySource.PREFIX, b"chain\x1f" + node.chain.to_bytes(8, "big"), rules.label_secret
+    )
+
+
 def derive_session_key(
-    api: Api, headers: Mapping[str, str], doc: Mapping[str, object], rules: KeyRules
+    api: Api,
+    headers: Mapping[str, str],
+    doc: Mapping[str, object],
+    rules: KeyRules,
+    sketch: ChainSketch | None = None,
 ) -> SessionKey | BadRequest:
     bad = shape_error(api, doc)
     if bad is not None:
@@ -277,6 +324,8 @@ def derive_session_key(
             return hash_key(
                 KeySource.BODY, value_obj.encode("utf-8", "surrogatepass"), rules.label_secret
             )
+    if rules.prefix_key == "chain":
+        return chain_key(api, doc, rules, sketch)
     material = prefix_material(api, doc, rules)
     if isinstance(material, BadRequest):
         return material

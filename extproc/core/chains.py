@@ -1,0 +1,439 @@
+"""The chain key: a session key that survives a shared opening anywhere in the prompt.
+
+The old prefix key (system text + the first 1,024 characters of the first message) sends every
+conversation to one cluster when many share an opening outside the system role (instructions in
+the first user message, a tool catalogue, a long completions preamble, shared content blocks).
+The chain key finds where a conversation stops sharing text with the rest of the traffic.
+
+1. **Canonical prompt** (:func:`prompt_segments`): the request's prompt in the order an engine
+   prefills it (system / instructions, tools, then every message or input item), one segment
+   per message, for every API shape. Non-text parts are fingerprinted (bounded).
+2. **Chunk chain** (:func:`chunk_chain`): each segment is cut at the first newline after
+   ``min_chunk`` bytes (or at ``max_chunk``, or at the segment's end), and chunk ``i`` gets the
+   chain hash ``h_i = H(h_{i-1} || chunk_i)``. A later turn repeats the earlier turn's text and
+   appends, so its chain starts with the earlier turn's chain. At most ``scan_bytes`` of the
+   prompt are read: CPU per request is bounded whatever the body size.
+3. **Common chains** (:class:`ChainSketch`): a chain prefix is *common* once enough distinct
+   conversations passed through it. The key is the shortest chain of the request that is not
+   common: for conversations behind a shared opening, the opening plus the first chunk where the
+   conversation becomes its own. It is stable across turns (it lies in the first turn's text)
+   and distinct between conversations (they differ in that chunk).
+
+How a chain becomes common. The key node of a request (its first non-common chain prefix) is a
+*group*; the group remembers the distinct conversations (leaves) that reached it: a request
+whose chain contains a remembered leaf is a later turn of that conversation and replaces it, so
+a long conversation counts once. It also remembers how deep all its leaves agree (the longest
+common prefix with its first request's chain). When ``common_after`` distinct conversations
+share a root group (``nested_common_after`` for a group below an already common chain), every
+chain prefix down to that depth becomes common in one step. Its conversations seen so far are
+*grandfathered*: a request containing one of their leaves keeps the key it had (its later
+turns stay where its first turn went); the others key deeper. Why two thresholds: a shared
+opening (at the root) should be found fast; a document shared by a few requests below a common
+opening (RAG) should keep them together (one prefill of the document), and only a document
+that many conversations share spreads.
+
+Memory is bounded: at most ``max_groups`` groups (least recently used dropped; each keeps at
+most ``max_rep_chunks`` chain hashes and ``nested_common_after`` leaves) and ``max_common``
+common chains (least recently used dropped).
+
+Pure: no I/O, no clock. The shell owns one instance and may merge promotions learnt by other
+replicas (:meth:`ChainSketch.merge`), which is how replicas converge (see extproc.chain_sync).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import orjson
+
+from extproc.core.api import Api
+
+_HASH_BYTES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class ChainParams:
+    min_chunk: int = 128
+    max_chunk: int = 2048
+    scan_bytes: int = 128 * 1024
+    common_after: int = 4
+    # Below a common chain (a document after a shared opening), a group is split only when it
+    # carries more than nested_share of one cluster's fair share of new conversations (judged
+    # over at least nested_common_after / that share conversations), and at least
+    # nested_common_after of them: co-locating it then costs at most that much imbalance.
+    nested_common_after: int = 16
+    nested_share: float = 0.4
+    clusters: int = 8
+    max_leaves: int = 64
+    max_groups: int = 8192
+    max_rep_chunks: int = 512
+    max_common: int = 4096
+
+
+# ----- canonical prompt ---------------------------------------------------------------------
+
+_FP_HEAD = 32
+_FP_TAIL = 96
+_FP_NODES = 16
+
+
+def _fingerprint(part: object) -> str:
+    """Bounded identity of a non-text part (an image's base64 can be megabytes)."""
+    out: list[str] = []
+    stack: list[object] = [part]
+    visited = 0
+    while stack and visited < _FP_NODES:
+        node = stack.pop()
+        visited += 1
+        if isinstance(node, str):
+            if len(node) <= _FP_HEAD + _FP_TAIL:
+                out.append(node)
+            else:
+                out.append(f"{len(node)}:{node[-_FP_TAIL:]}:{node[:_FP_HEAD]}")
+        elif isinstance(node, Mapping):
+            items = sorted(
+                ((str(k), v) for k, v in itertools.islice(node.items(), _FP_NODES)),
+                key=lambda kv: kv[0],
+                reverse=True,
+            )
+            for name, value in items:
+                stack.append(value)
+                stack.append(name)
+        elif isinstance(node, list):
+            stack.extend(reversed(node[:_FP_NODES]))
+        elif node is not None:
+            out.append(str(node))
+    return "\x1c" + "\x1c".join(out)
+
+
+class _Budget:
+    def __init__(self, chars: int) -> None:
+        self.left = chars
+
+    def take(self, text: str) -> str:
+        if self.left <= 0:
+            return ""
+        piece = text[: self.left]
+        self.left -= len(piece)
+        return piece
+
+
+def _content(content: object, budget: _Budget) -> str:
+    if isinstance(content, str):
+        return budget.take(content)
+    if isinstance(content, Mapping):
+        content = [content]
+    if not isinstance(content, list):
+        return ""
+    out: list[str] = []
+    for part in content:
+        if budget.left <= 0:
+            break
+        if isinstance(part, str):
+            out.append(budget.take(part))
+        elif isinstance(part, Mapping):
+            text = part.get("text")
+            if isinstance(text, str):
+                out.append(budget.take(text))
+            elif isinstance(part.get("content"), (str, list)):  # tool_result: nested content
+                out.append(budget.take("\x1c") + _content(part.get("content"), budget))
+            else:
+                out.append(budget.take(_fingerprint(part)))
+    return "\x1d".join(out)
+
+
+def _tools(tools: object, budget: _Budget) -> str:
+    if not isinstance(tools, list) or not tools:
+        return ""
+    # Sorted keys: two clients that serialise the same catalogue differently still agree.
+    # The catalogue is bounded by the body limit; slicing keeps the hashed part bounded.
+    text = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode("utf-8", "replace")
+    return budget.take(text)
+
+
+def _message(msg: object, budget: _Budget) -> str:
+    if isinstance(msg, str):
+        return budget.take("user\x1f") + budget.take(msg)
+    if not isinstance(msg, Mapping):
+        return ""
+    role = msg.get("role")
+    if isinstance(role, str):
+        text = budget.take(role + "\x1f") + _content(msg.get("content"), budget)
+        calls = msg.get("tool_calls")  # OpenAI assistant tool calls: prompt tokens too
+        return text + (budget.take(_fingerprint(calls)) if calls is not None else "")
+    # Responses input items without a role (function_call, function_call_output, ...): their
+    # fields are what the model sees; ids and status are bookkeeping.
+    item = {k: v for k, v in msg.items() if k not in ("id", "status")}
+    return budget.take("item\x1f" + _fingerprint(item))
+
+
+def prompt_segments(api: Api, doc: Mapping[str, object], scan_chars: int) -> list[str]:
+    """The canonical prompt as segments, at most ``scan_chars`` characters in all."""
+    budget = _Budget(scan_chars)
+    out: list[str] = []
+
+    def add(tag: str, text: str) -> None:
+        if text:
+            out.append(tag + "\x1e" + text)
+
+    if api is Api.OPENAI_COMPLETIONS:
+        prompt = doc.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch: key on its first prompt
+        if isinstance(prompt, str):
+            add("prompt", budget.take(prompt))
+        elif isinstance(prompt, list):
+            ids = itertools.islice(prompt, max(0, scan_chars // 4))
+            add("ids", budget.take(",".join(str(t) for t in ids)))
+        return out
+    if api is Api.ANTHROPIC_MESSAGES:
+        add("system", _content(doc.get("system"), budget))
+    elif api is Api.OPENAI_RESPONSES:
+        instructions = doc.get("instructions")
+        add("system", _content(instructions, budget))
+    add("tools", _tools(doc.get("tools"), budget))
+    items = doc.get("messages") if api is not Api.OPENAI_RESPONSES else doc.get("input")
+    if isinstance(items, str):
+        add("msg", _message(items, budget))
+    elif isinstance(items, list):
+        for msg in items:
+            if budget.left <= 0:
+                break
+            add("msg", _message(msg, budget))
+    return out
+
+
+# ----- chunk chain --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Chain:
+    """Chain hashes of a prompt's chunks (64-bit ints), and how many are final."""
+
+    hashes: tuple[int, ...]
+    # Chunks that a later turn repeats unchanged: all but an unterminated last chunk of a
+    # completions prompt (a later turn's text may extend it).
+    stable: int
+    scanned_bytes: int = 0
+
+
+def chunk_chain(
+    segments: Sequence[str], params: ChainParams, last_segment_complete: bool = True
+) -> Chain:
+    hashes: list[int] = []
+    # One running hash over the whole prefix: chunk i's chain hash is the hash of everything
+    # up to its end (segment tags included), read off a copy of the running state; each byte
+    # is hashed once. SHA-256 rather than BLAKE2b: OpenSSL's SHA-256 runs several times
+    # faster than CPython's bundled BLAKE2b on the machines measured.
+    running = hashlib.sha256()
+    stable = 0
+    scanned = 0
+    last = len(segments) - 1
+    for index, segment in enumerate(segments):
+        data = segment.encode("utf-8", "surrogatepass")
+        view = memoryview(data)
+        scanned += len(data)
+        running.update(b"\x00")  # segment boundary
+        start = 0
+        size = len(data)
+        while start < size:
+            cut = data.find(b"\n", start + params.min_chunk, start + params.max_chunk)
+            if cut >= 0:
+                end = cut + 1
+                terminated = True
+            elif size - start <= params.max_chunk:
+                end = size
+                terminated = index < last or last_segment_complete
+            else:
+                end = start + params.max_chunk
+                terminated = True
+            running.update(view[start:end])
+            hashes.append(int.from_bytes(running.copy().digest()[:_HASH_BYTES], "big"))
+            if terminated:
+                stable = len(hashes)
+            start = end
+    return Chain(tuple(hashes), stable, scanned)
+
+
+# ----- common chains ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Group:
+    rep: tuple[int, ...]  # the first request's chain (capped)
+    lcp: int  # chunks every leaf shares with ``rep``
+    born: int  # the sketch's conversation count when the group was made
+    conversations: int = 0  # distinct conversations counted here
+    leaves: dict[int, None] = field(default_factory=dict)  # ordered set of conversation tips
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """Chain prefixes that became common, and the conversations that keep the old key."""
+
+    chains: tuple[int, ...]
+    grandfathered: frozenset[int]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyNode:
+    """Where a request's key was taken: the chain hash and its depth (1-based)."""
+
+    chain: int
+    depth: int
+    grandfathered: bool
+
+
+class ChainSketch:
+    def __init__(self, params: ChainParams | None = None) -> None:
+        self.params = params or ChainParams()
+        # chain -> conversation tips that keep this chain as their key (may be empty)
+        self._common: OrderedDict[int, frozenset[int]] = OrderedDict()
+        self._groups: OrderedDict[int, _Group] = OrderedDict()
+        self._promotions: list[Promotion] = []
+        self._conversations = 0  # distinct conversations counted, all groups
+
+    # -- reading --------------------------------------------------------------------------
+    def is_common(self, chain: int) -> bool:
+        return chain in self._common
+
+    @property
+    def common_count(self) -> int:
+        return len(self._common)
+
+    @property
+    def group_count(self) -> int:
+        return len(self._groups)
+
+    def key_node(self, chain: Chain) -> KeyNode | None:
+        """The shortest chain prefix that is not common (or a grandfathered one)."""
+        hashes = chain.hashes
+        if not hashes:
+            return None
+        path: frozenset[int] | None = None
+        for depth, h in enumerate(hashes, 1):
+            keep = self._common.get(h)
+            if keep is None:
+                return KeyNode(h, depth, False)
+            self._common.move_to_end(h)
+            if keep:
+                if path is None:
+                    path = frozenset(hashes[: chain.stable])
+                if not keep.isdisjoint(path):
+                    return KeyNode(h, depth, True)
+        return KeyNode(hashes[-1], len(hashes), False)
+
+    # -- learning -------------------------------------------------------------------------
+    def observe(self, chain: Chain, node: KeyNode) -> Promotion | None:
+        """Count the request toward its group; promote the group when enough conversations
+        share it. Returns the promotion (for sharing with other replicas), if any."""
+        if node.grandfathered or chain.stable == 0 or node.depth > chain.stable:
+            # A grandfathered key stays; a request whose key chunk is still growing (an
+            # unterminated completions tail) has no stable identity to count yet.
+            return None
+        p = self.params
+        tip = chain.hashes[chain.stable - 1]
+        group = self._groups.get(node.chain)
+        known = False
+        if group is None:
+            group = _Group(
+                chain.hashes[: p.max_rep_chunks],
+                min(chain.stable, p.max_rep_chunks),
+                self._conversations,
+            )
+            self._groups[node.chain] = group
+            if len(self._groups) > p.max_groups:
+                self._groups.popitem(last=False)
+        else:
+            self._groups.move_to_end(node.chain)
+            path = set(chain.hashes[: chain.stable])
+            for leaf in [leaf for leaf in group.leaves if leaf in path]:
+                del group.leaves[leaf]  # a later turn of a known conversation
+                known = True
+            group.lcp = min(group.lcp, _common_prefix(group.rep, chain.hashes, group.lcp))
+        if tip in group.leaves:
+            known = True
+        group.leaves[tip] = None
+        if len(group.leaves) > p.max_leaves:
+            del group.leaves[next(iter(group.leaves))]
+        if not known:
+            group.conversations += 1
+            self._conversations += 1
+        if not self._ready(group, chain, node):
+            return None
+        depth = max(group.lcp, node.depth)
+        promotion = Promotion(
+            tuple(group.rep[node.depth - 1 : depth]) or (node.chain,),
+            frozenset(group.leaves),
+        )
+        del self._groups[node.chain]
+        self._apply(promotion)
+        self._promotions.append(promotion)
+        return promotion
+
+    def _ready(self, group: _Group, chain: Chain, node: KeyNode) -> bool:
+        p = self.params
+        nested = node.depth > 1 and chain.hashes[node.depth - 2] in self._common
+        if not nested:
+            return group.conversations >= p.common_after
+        if group.conversations < p.nested_common_after:
+            return False
+        share = p.nested_share / max(1, p.clusters)
+        window = self._conversations - group.born
+        return window >= p.nested_common_after / share and group.conversations >= share * window
+
+    def _apply(self, promotion: Promotion) -> None:
+        first, *rest = promotion.chains
+        keep = self._common.get(first, frozenset()) | promotion.grandfathered
+        self._common[first] = keep
+        self._common.move_to_end(first)
+        for h in rest:
+            self._common.setdefault(h, frozenset())
+            self._common.move_to_end(h)
+        while len(self._common) > self.params.max_common:
+            self._common.popitem(last=False)
+
+    def merge(self, promotions: Iterable[Promotion]) -> None:
+        """Apply promotions learnt elsewhere (another replica); idempotent."""
+        for promotion in promotions:
+            self._groups.pop(promotion.chains[0], None)
+            self._apply(promotion)
+
+    def drain_promotions(self) -> list[Promotion]:
+        """Promotions learnt here since the last call (the shell publishes them)."""
+        out, self._promotions = self._promotions, []
+        return out
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def encode_promotion(promotion: Promotion) -> bytes:
+    return orjson.dumps(
+        {
+            "c": [f"{h:016x}" for h in promotion.chains],
+            "g": [f"{h:016x}" for h in sorted(promotion.grandfathered)],
+        }
+    )
+
+
+def decode_promotion(data: bytes) -> Promotion | None:
+    """None for anything that is not a promotion (shared state is not trusted blindly)."""
+    try:
+        doc = orjson.loads(data)
+        chains = tuple(int(h, 16) for h in doc["c"])
+        grandfathered = frozenset(int(h, 16) for h in doc["g"])
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    if not chains or any(not 0 <= h < 1 << 64 for h in (*chains, *grandfathered)):
+        return None
+    return Promotion(chains, grandfathered)
