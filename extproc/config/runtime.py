@@ -12,6 +12,7 @@ from types import MappingProxyType
 from extproc.config.label_secret import resolve_label_secret
 from extproc.config.schema import AffinityConfig, FleetConfig
 from extproc.core.affinity import AffinityParams
+from extproc.core.chains import ChainParams, ChainSketch
 from extproc.core.decide import Policy
 from extproc.core.facts import ParseLimits
 from extproc.core.fleet import Budget, Cluster, RequestClass
@@ -78,12 +79,28 @@ def compile_runtime(cfg: FleetConfig, raw: bytes | None = None) -> Runtime:
             first_message_chars=cfg.prefix.first_message_chars,
             prompt_chars=cfg.prefix.prompt_chars,
             label_secret=label_secret.value,
+            prefix_key=cfg.prefix.key,
+            chain=ChainParams(
+                scan_bytes=cfg.prefix.scan_bytes,
+                common_after=cfg.prefix.common_after,
+                nested_common_after=cfg.prefix.nested_common_after,
+                nested_share=cfg.prefix.nested_share,
+                clusters=len(clusters),
+            ),
         ),
         parse_limits=ParseLimits(cfg.processor.max_body_bytes, cfg.prefix.bytes_per_token),
         endpoints=MappingProxyType({c.name: c.endpoints for c in clusters}),
         affinity=affinity_params(cfg.affinity),
         label_secret_source=label_secret.source,
     )
+
+
+def with_sketch(runtime: Runtime, sketch: ChainSketch) -> Runtime:
+    """The runtime keyed through ``sketch`` (the process's learnt common chains, which outlive
+    config reloads); the sketch takes the runtime's chain parameters."""
+    sketch.params = runtime.key_rules.chain
+    rules = dataclasses.replace(runtime.key_rules, sketch=sketch)
+    return dataclasses.replace(runtime, key_rules=rules)
 
 
 def affinity_params(cfg: AffinityConfig) -> AffinityParams:

@@ -108,10 +108,23 @@ class SessionConfig(Strict):
 
 
 class PrefixConfig(Strict):
+    # "chain": the chain key (extproc.core.chains, default); "opening": the older key, system
+    # text + the first first_message_chars of the first message (kept for comparison).
+    key: Literal["chain", "opening"] = "chain"
     system_chars: int = Field(default=65536, ge=0)
     first_message_chars: int = Field(default=1024, ge=1)
     prompt_chars: int = Field(default=4096, ge=1)
     bytes_per_token: float = Field(default=4.0, gt=0)
+    # Chain key: at most this many bytes of the canonical prompt are hashed (CPU bound).
+    scan_bytes: int = Field(default=128 * 1024, ge=1024)
+    # Distinct conversations after which a shared opening becomes common (spread) ...
+    common_after: int = Field(default=4, ge=2)
+    # ... and after which a chain below a common one (a shared document) may, if it also
+    # carries more than nested_share of one cluster's fair share of new conversations.
+    nested_common_after: int = Field(default=16, ge=2)
+    nested_share: float = Field(default=0.4, gt=0)
+    # With Redis: how often replicas exchange the common chains they learnt.
+    sync_interval_s: float = Field(default=1.0, gt=0)
 
 
 class BudgetConfig(Strict):

@@ -162,6 +162,8 @@ def _message(msg: object, budget: _Budget) -> str:
         return ""
     role = msg.get("role")
     if isinstance(role, str):
+        # "developer" is the newer OpenAI name of the system role: one opening, one key.
+        role = "system" if role == "developer" else role
         text = budget.take(role + "\x1f") + _content(msg.get("content"), budget)
         calls = msg.get("tool_calls")  # OpenAI assistant tool calls: prompt tokens too
         return text + (budget.take(_fingerprint(calls)) if calls is not None else "")
@@ -402,6 +404,10 @@ class ChainSketch:
         for promotion in promotions:
             self._groups.pop(promotion.chains[0], None)
             self._apply(promotion)
+
+    def requeue(self, promotions: Iterable[Promotion]) -> None:
+        """Promotions that could not be published: offer them again next time."""
+        self._promotions[:0] = list(promotions)
 
     def drain_promotions(self) -> list[Promotion]:
         """Promotions learnt here since the last call (the shell publishes them)."""

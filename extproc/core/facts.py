@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import orjson
 
 from extproc.core.api import Api, BadRequest, ErrorStyle, api_for_path
-from extproc.core.chains import ChainSketch
 from extproc.core.keys import KeyRules, KeySource, SessionKey, derive_session_key
 
 
@@ -61,12 +60,11 @@ def parse_request(
     body: bytes,
     rules: KeyRules,
     limits: ParseLimits,
-    sketch: ChainSketch | None = None,
 ) -> RequestFacts | BadRequest:
     """Read an inference request. ``headers`` are lower-cased names; only trusted ones are used.
 
-    ``sketch``: the common chains the chain key learns (extproc.core.chains); the processor
-    passes its own, so parsing a request also counts it."""
+    With ``rules.sketch`` set (the processor's), parsing a request also counts it toward the
+    chain key's common chains (extproc.core.chains)."""
     api = api_for_path(path)
     style = api.error_style if api is not None else ErrorStyle.OPENAI
     if api is None:
@@ -103,7 +101,7 @@ def parse_request(
     model = doc.get("model")
     if not isinstance(model, str):
         model = ""
-    session = derive_session_key(api, headers, doc, rules, sketch)
+    session = derive_session_key(api, headers, doc, rules)
     if isinstance(session, BadRequest):
         return session
     tier = headers.get(rules.tier_header) if rules.tier_header else None

@@ -96,6 +96,12 @@ class KeyRules:
     # "chain": extproc.core.chains (default); "opening": system text + first message (capped).
     prefix_key: Literal["chain", "opening"] = "chain"
     chain: ChainParams = field(default_factory=ChainParams)
+    # The common chains the chain key has learnt: owned by the shell (one per process, kept
+    # across config reloads) and attached to the runtime it serves from. None: nothing is
+    # common, the key is the first chunk's chain (tools that look at a single request).
+    sketch: ChainSketch | None = field(default=None, compare=False, repr=False)
+    # False: read the sketch without counting the request (explain / preview change nothing).
+    learn: bool = True
 
 
 def hash_key(source: KeySource, material: bytes, label_secret: bytes = b"") -> SessionKey:
@@ -281,21 +287,16 @@ def request_chain(api: Api, doc: Mapping[str, object], params: ChainParams) -> C
     return chunk_chain(segments, params, last_segment_complete=api is not Api.OPENAI_COMPLETIONS)
 
 
-def chain_key(
-    api: Api, doc: Mapping[str, object], rules: KeyRules, sketch: ChainSketch | None
-) -> SessionKey:
-    """The chain key; with a sketch, the request also counts toward what is common.
-
-    Without a sketch nothing is common and the key is the first chunk's chain (offline tools
-    that look at one request; the processor always has one).
-    """
+def chain_key(api: Api, doc: Mapping[str, object], rules: KeyRules) -> SessionKey:
+    """The chain key; with a sketch, the request also counts toward what is common."""
+    sketch = rules.sketch
     chain = request_chain(api, doc, rules.chain)
     if not chain.hashes:
         return hash_key(KeySource.PREFIX, b"chain\x1f", rules.label_secret)
     node = sketch.key_node(chain) if sketch is not None else None
     if node is None:
         node = KeyNode(chain.hashes[0], 1, False)
-    elif sketch is not None:
+    elif sketch is not None and rules.learn:
         sketch.observe(chain, node)
     return hash_key(
         KeySource.PREFIX, b"chain\x1f" + node.chain.to_bytes(8, "big"), rules.label_secret
@@ -307,7 +308,6 @@ def derive_session_key(
     headers: Mapping[str, str],
     doc: Mapping[str, object],
     rules: KeyRules,
-    sketch: ChainSketch | None = None,
 ) -> SessionKey | BadRequest:
     bad = shape_error(api, doc)
     if bad is not None:
@@ -325,7 +325,7 @@ def derive_session_key(
                 KeySource.BODY, value_obj.encode("utf-8", "surrogatepass"), rules.label_secret
             )
     if rules.prefix_key == "chain":
-        return chain_key(api, doc, rules, sketch)
+        return chain_key(api, doc, rules)
     material = prefix_material(api, doc, rules)
     if isinstance(material, BadRequest):
         return material

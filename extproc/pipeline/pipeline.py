@@ -17,6 +17,7 @@ takes time as an argument. See ARCHITECTURE.md, "The path of one request".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Mapping
 
@@ -143,9 +144,9 @@ class Pipeline:
                 self._count_bad(empty, api)
             return empty
         runtime = self._runtime.current
-        facts = parse_request(
-            headers.get(":path", ""), headers, body, runtime.key_rules, runtime.parse_limits
-        )
+        # A preview reads the chain key's learnt chains without counting the request.
+        rules = runtime.key_rules if record else dataclasses.replace(runtime.key_rules, learn=False)
+        facts = parse_request(headers.get(":path", ""), headers, body, rules, runtime.parse_limits)
         if isinstance(facts, BadRequest):
             if record:
                 self._count_bad(facts, api)

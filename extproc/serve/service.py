@@ -30,10 +30,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from extproc.chain_sync import ChainSync
 from extproc.config import ConfigError, Runtime, load_runtime
 from extproc.config.label_secret import LabelSecret, warn_if_per_process
 from extproc.config.load import runtime_from_bytes
-from extproc.config.runtime import scale_budgets
+from extproc.config.runtime import scale_budgets, with_sketch
+from extproc.core.chains import ChainSketch
 from extproc.ledger.gate import AdmissionGate, build_gate
 from extproc.logs import setup_logging
 from extproc.loop_monitor import LoopMonitor
@@ -44,6 +46,7 @@ from extproc.pipeline.explain import explain_outcome, request_headers
 from extproc.pipeline.fleet_state import FleetState, RedisSessions
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import FleetProcessor
+from extproc.redis_client import bounded_client
 from extproc.render.envoy_dynamic import write_cds, write_cds_union
 from extproc.serve.admin import AdminApp, start_admin
 
@@ -95,6 +98,8 @@ class Service:
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.loop_monitor = LoopMonitor(self.registry)
+        # The chain key's learnt common chains: one per process, kept across reloads.
+        self.chains = ChainSketch(runtime.key_rules.chain)
         self.holder = RuntimeHolder(self._local_view(runtime))
         self._config_bytes = raw_config
         rng = random.Random(opts.seed)
@@ -122,7 +127,9 @@ class Service:
         self._set_version(None, runtime.version)
 
     def _local_view(self, runtime: Runtime) -> Runtime:
-        """With several workers and no Redis, each worker enforces its share of every budget."""
+        """With several workers and no Redis, each worker enforces its share of every budget.
+        Every runtime keys sessions through this process's chain sketch."""
+        runtime = with_sketch(runtime, self.chains)
         if self.opts.workers > 1 and not (self.opts.redis_url or runtime.config.redis.url):
             return scale_budgets(runtime, 1 / self.opts.workers)
         return runtime
@@ -292,8 +299,15 @@ class Service:
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         watchers = [asyncio.create_task(self._watch())]
-        if self.opts.redis_url or self.holder.current.config.redis.url:
+        redis_url = self.opts.redis_url or self.holder.current.config.redis.url
+        chain_redis = None
+        if redis_url:
             watchers.append(asyncio.create_task(self._watch_redis()))
+            redis_cfg = self.holder.current.config.redis
+            chain_redis = bounded_client(redis_url, redis_cfg.timeout_ms / 1000, 2)
+            sync = ChainSync(chain_redis, redis_cfg.key_prefix, self.chains)
+            interval = self.holder.current.config.prefix.sync_interval_s
+            watchers.append(asyncio.create_task(sync.run(interval)))
         log.info(
             "serving",
             extra={
@@ -319,6 +333,8 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         await self.gate.close()
+        if chain_redis is not None:
+            await chain_redis.aclose()
         await self.pipeline.aclose()
         if self.endpoint_health is not None:
             await self.endpoint_health.close()

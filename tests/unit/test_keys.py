@@ -22,7 +22,9 @@ from extproc.core.keys import (
 from extproc.core.placement import Rendezvous
 
 JSON = {"content-type": "application/json"}
-RULES = KeyRules()
+# These tests pin the *opening* key (prefix.key: opening), kept for comparison since the chain
+# key became the default; the chain key's properties are pinned in test_chain_key.py.
+RULES = KeyRules(prefix_key="opening")
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
 RESPONSES = "/v1/responses"
@@ -130,13 +132,13 @@ def test_empty_header_falls_through_to_the_body() -> None:
 
 
 def test_no_configured_header_means_no_header_key() -> None:
-    rules = KeyRules(header=None)
+    rules = KeyRules(header=None, prefix_key="opening")
     got = key({"messages": CONVO}, {"x-session-id": "sess"}, rules=rules)
     assert got.source is KeySource.PREFIX
 
 
 def test_configured_body_fields_replace_the_defaults() -> None:
-    rules = KeyRules(body_fields=(("metadata", "tenant"),))
+    rules = KeyRules(body_fields=(("metadata", "tenant"),), prefix_key="opening")
     body = {"messages": CONVO, "user": "u", "metadata": {"tenant": "t-1"}}
     assert key(body, rules=rules) == key(
         {"messages": [], "metadata": {"tenant": "t-1"}}, rules=rules
@@ -507,7 +509,7 @@ def test_part_key_order_does_not_change_the_key() -> None:
 def test_responses_conversation_keys_the_session_across_chained_turns() -> None:
     """Turns chained by previous_response_id carry only their new input; the conversation id
     is what they share, as a string or as {"id": ...}."""
-    rules = KeyRules()
+    rules = KeyRules(prefix_key="opening")
     headers = {"content-type": "application/json"}
     keys = set()
     for turn, conversation in enumerate(["conv_1", {"id": "conv_1"}]):
