@@ -33,7 +33,18 @@ from extproc.harness.layouts import LAYOUTS, LayoutConfig, generate_layout
 
 JSON = {"content-type": "application/json"}
 LIMITS = ParseLimits()
-WORDS = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "nova"]
+WORDS = (
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "echo",
+    "fox",
+    "golf",
+    "hotel",
+    "india",
+    "juliet",
+)
 
 
 def text(rng: random.Random, chars: int) -> str:
