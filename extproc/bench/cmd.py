@@ -11,6 +11,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "admission": ("extproc.bench.admission", "admission decision cost, memory vs Redis ledger"),
     "deps": ("extproc.bench.deps", "the dependency choices: protobuf libraries, aioredis"),
     "skew": ("extproc.bench.skew", "hot prefixes + a slow cluster: pure hashing vs load-aware"),
+    "layouts": ("extproc.bench.layouts", "a shared opening in each position: old vs chain key"),
 }
 
 

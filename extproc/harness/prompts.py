@@ -11,6 +11,7 @@ the block size of the Mooncake traces.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import random
 from collections import OrderedDict
@@ -137,6 +138,14 @@ def _messages_text(messages: object, where: str) -> str:
     return "".join(out)
 
 
+def _tools_text(tools: object) -> str:
+    """A tool catalogue is prompt text too (chat templates render it near the start): engines
+    cache it with the rest of the prefix."""
+    if not isinstance(tools, list) or not tools:
+        return ""
+    return "<|tools|>" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "\n"
+
+
 def canonical_prompt(api: ApiKind, body: Mapping[str, Any]) -> str:
     """The text a model would prefill for this request.
 
@@ -144,7 +153,7 @@ def canonical_prompt(api: ApiKind, body: Mapping[str, Any]) -> str:
     canonical prompt starts with the earlier turn's: that is what makes prefix caching work.
     """
     if api == "openai-chat":
-        return _messages_text(body.get("messages"), "messages")
+        return _tools_text(body.get("tools")) + _messages_text(body.get("messages"), "messages")
     if api == "openai-completions":
         prompt = body.get("prompt")
         if isinstance(prompt, str):
@@ -154,7 +163,7 @@ def canonical_prompt(api: ApiKind, body: Mapping[str, Any]) -> str:
         raise PromptError("prompt must be a string or a list of strings")
     system = body.get("system")
     head = "" if system is None else f"<|system|>{_content_text(system, 'system')}\n"
-    return head + _messages_text(body.get("messages"), "messages")
+    return head + _tools_text(body.get("tools")) + _messages_text(body.get("messages"), "messages")
 
 
 class TextSynth:

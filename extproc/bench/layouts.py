@@ -1,0 +1,212 @@
+"""`extproc bench layouts`: a shared opening in each position, four front doors side by side.
+
+For each workload layout (extproc.harness.layouts: the shared opening in the system role, the
+first user message, a tools array, an 8 KB / 32 KB completions preamble, Anthropic system +
+content blocks; each with conversations with and without shared documents) the same requests,
+replayed open-loop at the same instants through a real Envoy to fresh simulated clusters, go
+through four set-ups:
+
+1. ``round_robin`` — Envoy alone, round robin;
+2. ``ring_hash`` — Envoy alone, consistent hashing on a session header every request carries
+   (the best a client that names its sessions can get without body inspection);
+3. ``opening`` — Envoy + extproc with the old prefix key (``prefix.key: opening``);
+4. ``chain`` — Envoy + extproc with the chain key (the default).
+
+Rows per layout: prefix-cache hit ratio ÷ the ideal (one infinite cache serving everything in
+order, from the same block hashes the simulated clusters use), max/mean requests per cluster,
+and the share of later turns served by the cluster that served their conversation's first turn.
+The Responses layout is not run here: the simulated clusters do not serve ``/v1/responses``;
+its key properties are pinned offline (tests/unit/test_chain_key.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from extproc.bench.routing import blocks_ideal, prompt_blocks
+from extproc.harness.launch import FleetStack
+from extproc.harness.layouts import LAYOUTS, LayoutConfig, generate_layout
+from extproc.harness.replay import ReplayOptions, ReplayResult, run_replay
+from extproc.harness.workload import ReplayRequest
+from extproc.render.envoy import Mode
+
+ENVOY_LAYOUTS = tuple(name for name in LAYOUTS if name != "responses")
+SETUPS: tuple[str, ...] = ("round_robin", "ring_hash", "opening", "chain")
+TARGET_HIT_VS_IDEAL = 0.95
+TARGET_MAX_MEAN = 1.2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+    setup: str
+    hit_vs_ideal: float | None
+    max_mean: float | None
+    later_on_first: float | None
+    errors: int
+    wall_s: float
+    error_kinds: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _run(main: Any) -> ReplayResult:
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        result: ReplayResult = asyncio.run(main)
+        return result
+    result = uvloop.run(main)
+    return result
+
+
+def later_on_first(result: ReplayResult) -> float | None:
+    first: dict[str, str] = {}
+    later = kept = 0
+    for outcome in sorted(result.outcomes, key=lambda o: o.index):
+        if outcome.outcome != "2xx" or not outcome.session_id or not outcome.served_by:
+            continue
+        sid = outcome.session_id
+        if sid in first:
+            later += 1
+            kept += outcome.served_by == first[sid]
+        else:
+            first[sid] = outcome.served_by
+    return kept / later if later else None
+
+
+def max_mean(result: ReplayResult, clusters: int) -> float | None:
+    counts = result.clusters
+    total = sum(counts.values())
+    return max(counts.values()) / (total / clusters) if total else None
+
+
+def run_setup(
+    setup: str,
+    requests: Sequence[ReplayRequest],
+    clusters: int,
+    speedup: float,
+    workdir: Path,
+) -> ReplayResult:
+    mode: Mode = "extproc" if setup in ("opening", "chain") else setup  # type: ignore[assignment]
+    overrides: dict[str, Any] = {}
+    if mode == "extproc":
+        overrides = {"prefix": {"key": setup}}
+    if setup == "ring_hash":
+        requests = [dataclasses.replace(r, send_session_header=True) for r in requests]
+    stack = FleetStack(
+        workdir,
+        clusters=clusters,
+        mode=mode,
+        fleet_overrides=overrides,
+        processor_args=("--log-level", "warning"),
+        access_log=False,
+    )
+    stack.start()
+    try:
+        options = ReplayOptions(speedup=speedup, concurrency=256, timeout_s=60.0)
+        return _run(run_replay(list(requests), stack.url, options))
+    finally:
+        stack.stop()
+
+
+def run_layout(
+    layout: str, config: LayoutConfig, clusters: int, speedup: float, workdir: Path
+) -> tuple[float, list[Row]]:
+    requests = generate_layout(dataclasses.replace(config, layout=layout))
+    ideal = blocks_ideal(prompt_blocks(requests))
+    rows = []
+    for setup in SETUPS:
+        started = time.monotonic()
+        result = run_setup(setup, requests, clusters, speedup, workdir / f"{layout}-{setup}")
+        hit = result.hit_ratio
+        errors = sum(1 for o in result.outcomes if o.outcome != "2xx")
+        rows.append(
+            Row(
+                setup,
+                hit / ideal if (hit is not None and ideal) else None,
+                max_mean(result, clusters),
+                later_on_first(result),
+                errors,
+                time.monotonic() - started,
+                dict(
+                    Counter(
+                        f"{o.outcome}:{o.status}:{(o.error or '')[:60]}"
+                        for o in result.outcomes
+                        if o.outcome != "2xx"
+                    )
+                ),
+            )
+        )
+    return ideal, rows
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def format_table(layout: str, ideal: float, rows: Sequence[Row], requests: int) -> str:
+    head = "| | " + " | ".join(r.setup for r in rows) + " |"
+    sep = "|---" * (len(rows) + 1) + "|"
+    lines = [
+        f"**{layout}** ({requests} requests, ideal hit ratio {ideal:.3f})",
+        "",
+        head,
+        sep,
+        "| hit ratio ÷ ideal | " + " | ".join(_num(r.hit_vs_ideal) for r in rows) + " |",
+        "| max/mean requests per cluster | " + " | ".join(_num(r.max_mean) for r in rows) + " |",
+        "| later turns on the first turn's cluster | "
+        + " | ".join(_num(r.later_on_first) for r in rows)
+        + " |",
+        "| errors | " + " | ".join(str(r.errors) for r in rows) + " |",
+    ]
+    chain = next(r for r in rows if r.setup == "chain")
+    ok = (
+        chain.hit_vs_ideal is not None
+        and chain.hit_vs_ideal >= TARGET_HIT_VS_IDEAL
+        and chain.max_mean is not None
+        and chain.max_mean <= TARGET_MAX_MEAN
+    )
+    lines += [
+        "",
+        f"chain key vs targets (hit ≥ {TARGET_HIT_VS_IDEAL}x ideal, max/mean ≤ "
+        f"{TARGET_MAX_MEAN}): {'met' if ok else 'NOT met'}",
+    ]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layouts", default=",".join(ENVOY_LAYOUTS))
+    parser.add_argument("--conversations", type=int, default=800)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--clusters", type=int, default=8)
+    parser.add_argument("--speedup", type=float, default=8.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="out/bench-layouts")
+
+
+def run(args: argparse.Namespace) -> int:
+    layouts = [name for name in args.layouts.split(",") if name]
+    unknown = [name for name in layouts if name not in ENVOY_LAYOUTS]
+    if unknown:
+        print(f"unknown or non-Envoy layouts: {unknown}; choose from {ENVOY_LAYOUTS}")
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = LayoutConfig(conversations=args.conversations, turns=args.turns, seed=args.seed)
+    report: dict[str, Mapping[str, Any]] = {}
+    for layout in layouts:
+        ideal, rows = run_layout(layout, config, args.clusters, args.speedup, out)
+        n = args.conversations * args.turns
+        print(format_table(layout, ideal, rows, n), flush=True)
+        print(flush=True)
+        report[layout] = {"ideal": ideal, "rows": [dataclasses.asdict(r) for r in rows]}
+    (out / "layouts.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    return 0
