@@ -37,7 +37,8 @@ most ``max_rep_chunks`` chain hashes and ``nested_common_after`` leaves) and ``m
 common chains (least recently used dropped).
 
 Pure: no I/O, no clock. The shell owns one instance and may merge promotions learnt by other
-replicas (:meth:`ChainSketch.merge`), which is how replicas converge (see extproc.chain_sync).
+replicas (:meth:`ChainSketch.merge`), which is how replicas converge
+(extproc.pipeline.chain_sync).
 """
 
 from __future__ import annotations

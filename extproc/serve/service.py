@@ -30,7 +30,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from extproc.chain_sync import ChainSync
 from extproc.config import ConfigError, Runtime, load_runtime
 from extproc.config.label_secret import LabelSecret, warn_if_per_process
 from extproc.config.load import runtime_from_bytes
@@ -41,6 +40,7 @@ from extproc.logs import setup_logging
 from extproc.loop_monitor import LoopMonitor
 from extproc.metrics import Metrics
 from extproc.names import BUFFER_HEADROOM
+from extproc.pipeline.chain_sync import ChainSync
 from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.explain import explain_outcome, request_headers
 from extproc.pipeline.fleet_state import FleetState, RedisSessions

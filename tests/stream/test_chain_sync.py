@@ -17,10 +17,10 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
-from extproc.chain_sync import ChainSync
 from extproc.core.chains import ChainSketch
 from extproc.core.facts import ParseLimits, RequestFacts, parse_request
 from extproc.core.keys import KeyRules
+from extproc.pipeline.chain_sync import ChainSync
 from extproc.redis_client import bounded_client
 from tests.support.redis_server import RedisServer
 
