@@ -274,6 +274,27 @@ async def test_fault_refuse_fails_health_and_drops_connections(
         assert resp.status == 200
 
 
+async def test_executions_are_counted_per_request_id_and_reset_runs_then_drops(
+    sim: RunningSimCluster, http: aiohttp.ClientSession
+) -> None:
+    url = sim.url + "/v1/chat/completions"
+    for request_id in ("a", "b", "a"):
+        status, _, _ = await post(http, url, chat("hi"), headers={"x-request-id": request_id})
+        assert status == 200
+    # A refusal (429/503 before any generation) is no execution.
+    await post(http, sim.url + "/admin/fault", {"mode": "error", "status": 429})
+    status, _, _ = await post(http, url, chat("hi"), headers={"x-request-id": "c"})
+    assert status == 429
+    # "reset": the generation starts, then the connection drops without a response.
+    await post(http, sim.url + "/admin/fault", {"mode": "reset"})
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await post(http, url, chat("hi"), headers={"x-request-id": "d"})
+    await post(http, sim.url + "/admin/fault", {"mode": "none"})
+    async with http.get(sim.url + "/admin/executions") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["executions"] == {"a": 2, "b": 1, "d": 1}
+
+
 async def test_fault_slow_multiplies_times(
     sim: RunningSimCluster, http: aiohttp.ClientSession
 ) -> None:
