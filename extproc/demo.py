@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import signal
 import sys
 import tempfile
 import time
@@ -272,8 +271,10 @@ def run_demo(
         victim = next(iter(stack.sim_specs))
         print(f"\n== failover: SIGKILL {victim}, then two more turns of every session ==")
         # No warning to Envoy: the first requests find out by connection failure and are retried
-        # on their secondary; the health check then takes the cluster out of rotation.
-        stack.sims[victim].signal(signal.SIGKILL)
+        # on their secondary; the health check then takes the cluster out of rotation. Wait
+        # until the process is gone: a request the dying engine had already taken is not
+        # retried (it could run twice), and no turn is in flight at this point.
+        stack.sims[victim].kill()
         outage = demo.run_turn(turns, "outage") + demo.run_turn(turns + 1, "outage")
         hit = [t for t in outage if t.primary == victim]
         failed = [t for t in outage if t.status != 200]

@@ -401,7 +401,12 @@ def _edge_trust() -> Json:
     the legacy default that treats private and loopback peers as internal and keeps their
     headers: verified, a spoofed tier header then reached the processor.)
     """
-    return {"use_remote_address": True}
+    return {
+        "use_remote_address": True,
+        # An edge request's x-request-id is regenerated unless preserved: clients and the
+        # debug logs correlate by the id the client sent.
+        "preserve_external_request_id": True,
+    }
 
 
 def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:

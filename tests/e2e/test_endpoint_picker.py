@@ -54,7 +54,9 @@ def test_picker_sends_sessions_to_primary_endpoint_and_falls_back(
     headers = {"x-session-id": "epp-failover"}
     body = _body("keep going")
     placement = placement_for(runtime, CHAT, body, headers)
-    picker.sims[placement.primary].signal(signal.SIGKILL)
+    # SIGKILL, and wait until the process is gone: a request written to the dying engine would
+    # fail rather than be retried (issue 12: it could run twice).
+    picker.sims[placement.primary].kill()
     served: list[str] = []
     for _ in range(40):  # through the outage, before and after the picker notices
         status, hdrs, data = client.post_json(CHAT, body, headers)
