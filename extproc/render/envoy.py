@@ -403,9 +403,10 @@ def _edge_trust() -> Json:
     """
     return {
         "use_remote_address": True,
-        # An edge request's x-request-id is regenerated unless preserved: clients and the
-        # debug logs correlate by the id the client sent.
-        "preserve_external_request_id": True,
+        # Envoy replaces a client's x-request-id at the edge (a client must not steer trace
+        # sampling or collide with other requests' ids) and returns its own in the response,
+        # so the client can quote the id the logs carry.
+        "always_set_request_id_in_response": True,
     }
 
 

@@ -96,6 +96,9 @@ def test_the_tier_header_is_only_trusted_from_a_trusted_hop(defaults: dict[str, 
     # The client is the TCP peer; no address is internal (an empty cidr_ranges list would make
     # loopback and private peers internal again, and keep their headers).
     assert hcm["use_remote_address"] is True
+    # A client's x-request-id is replaced at the edge; Envoy's own is returned to the client.
+    assert hcm["always_set_request_id_in_response"] is True
+    assert "preserve_external_request_id" not in hcm
     assert "internal_address_config" not in hcm
 
 
