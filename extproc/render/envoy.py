@@ -20,6 +20,7 @@ from typing import Any, Literal
 from extproc.config.runtime import Runtime
 from extproc.core.fleet import Cluster
 from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, ROUTE_HEADER
+from extproc.render.local_reply import local_reply_config
 
 Mode = Literal["extproc", "round_robin", "ring_hash"]
 MODES: tuple[Mode, ...] = ("extproc", "round_robin", "ring_hash")
@@ -443,6 +444,7 @@ def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
             ],
         },
         "http_filters": filters,
+        "local_reply_config": local_reply_config(),
     }
     if opts.access_log_path:
         hcm["access_log"] = _access_log(opts.access_log_path)

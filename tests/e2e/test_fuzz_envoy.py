@@ -1,0 +1,93 @@
+"""Hostile requests through a real Envoy + processor + simulated clusters.
+
+A bounded CI run of `extproc fuzz --target envoy`, and regression tests for what the full run
+found: Envoy's own error answers (a malformed or oversized header block, an unreachable
+upstream) were text/plain, which neither SDK family can parse; they are now JSON errors
+(extproc/render/local_reply.py).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from extproc.harness.launch import FleetStack
+from extproc.reliability.fuzz_cases import error_format_problem
+from extproc.reliability.fuzz_cmd import failed
+from extproc.reliability.fuzz_envoy import exchange, run_envoy_fuzz
+
+
+def test_five_hundred_hostile_requests_through_envoy() -> None:
+    tally, leftovers = run_envoy_fuzz(500, seed=14, batch=8, pool_size=150)
+    assert tally.cases == 500
+    assert failed(tally, leftovers) == [], [d for d, _c in tally.defects]
+    assert tally.outcomes["routed"] > 20
+    assert leftovers["bypassed_requests"] == 0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    with FleetStack(tmp_path_factory.mktemp("localreply"), clusters=1) as s:
+        yield s
+
+
+def _raw(port: int, head: bytes) -> tuple[int, dict[str, str], bytes]:
+    result = exchange(port, (head, b""))
+    assert not isinstance(result, str), result
+    return result
+
+
+@pytest.mark.parametrize(
+    ("extra", "status"),
+    [
+        (b"x-tenant-tier: \x08\r\n", 400),  # a control character in a header value
+        (b"".join(b"x-f%d: v\r\n" % i for i in range(200)), 431),  # a header flood
+        (b"x-big: " + b"o" * (64 << 10) + b"\r\n", 431),  # one oversized header
+    ],
+)
+def test_envoy_header_errors_are_json_errors(stack: FleetStack, extra: bytes, status: int) -> None:
+    for path in (b"/v1/chat/completions", b"/v1/messages"):
+        head = b"POST " + path + b" HTTP/1.1\r\nhost: g\r\n" + extra + b"content-length: 2\r\n\r\n"
+        code, headers, body = _raw(stack.listener_port, head)
+        assert code == status
+        assert error_format_problem(path.decode(), body, headers.get("content-type")) is None, body
+
+
+def test_unreachable_upstream_is_a_json_error(tmp_path: Path) -> None:
+    with FleetStack(tmp_path, clusters=1) as s:
+        s.sims["c1"].kill()
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        head = (
+            b"POST /v1/messages HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
+            b"anthropic-version: 2023-06-01\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+            % len(body)
+        )
+        code, headers, raw = _raw(s.listener_port, head + body)
+        assert code == 503
+        assert error_format_problem("/v1/messages", raw, headers.get("content-type")) is None
+        assert orjson.loads(raw)["type"] == "error"
+
+
+def test_processor_errors_keep_their_own_body(stack: FleetStack) -> None:
+    """The mapper leaves the processor's immediate answers alone (they carry no flag)."""
+    body = b'{"model": "m", "messages": "not an array"}'
+    head = (
+        b"POST /v1/messages HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
+        b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
+    )
+    code, _headers, raw = _raw(stack.listener_port, head + body)
+    assert code == 400
+    doc = orjson.loads(raw)
+    assert doc["error"]["type"] == "invalid_request_error"
+    assert "messages" in doc["error"]["message"]
+
+
+def test_raw_client_sees_socket_errors_as_outcomes() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert isinstance(exchange(port, (b"GET / HTTP/1.1\r\n\r\n", b"")), str)
