@@ -64,6 +64,11 @@ class RedisProc:
         if self.popen is not None and self.alive:
             self.popen.send_signal(signal.SIGCONT)
 
+    def restart(self) -> None:
+        """SIGTERM then start again on the same port: a fresh, empty Redis."""
+        self.stop()
+        self.start()
+
     def stop(self) -> None:
         if self.popen is None:
             return

@@ -75,6 +75,8 @@ class SteadyLoad:
     skipped: int = 0  # sends the concurrency cap held back (the generator was the bottleneck)
     # While above 0, this share of requests is abandoned mid-flight by the client.
     abort_share: float = 0.0
+    # While set, no new request is sent (the chaos run settles the fleet between faults).
+    paused: bool = False
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.options.seed)
@@ -127,6 +129,8 @@ class SteadyLoad:
                         await asyncio.wait_for(stop.wait(), next_at - now)
                     continue
                 next_at += interval
+                if self.paused:
+                    continue
                 if self.in_flight >= self.options.concurrency:
                     self.skipped += 1
                     continue

@@ -1,0 +1,430 @@
+"""`extproc chaos`: a scripted fault schedule against a local fleet under steady traffic.
+
+The fleet: Envoy, two processor replicas sharing budgets through Redis (reached through a
+loopback TCP proxy this run starts, so it can slow or partition the path), simulated clusters,
+and steady synthetic traffic (extproc/reliability/traffic.py). Each fault in the schedule:
+
+1. reset the upstreams' per-class concurrency peaks; note the time;
+2. inject the fault, hold it ``--hold-s``; heal it;
+3. wait until traffic recovers: the first 2-second window after healing with no failed or
+   truncated answer (capped at ``--recover-cap-s``);
+4. pause the traffic, let in-flight requests finish, wait for the replicas' held budget to
+   reach zero (up to ``--settle-s``); record what is still held; resume.
+
+Per fault it reports client-visible failures (4xx other than 429, 5xx, transport errors,
+timeouts), 429s, truncated streams, requests that reached an upstream with no class (a
+processor failing open), the maximum over-admission per class counted at the upstreams (peak
+concurrent requests of a class on one cluster minus that class's ``max_concurrent``), the
+budget still held after settling, and the time to recover. Output: a table and JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+from extproc.harness.launch import LOOPBACK, FleetStack, http_get, wait_until
+from extproc.reliability import probes
+from extproc.reliability.redis_proc import RedisProc
+from extproc.reliability.tcp_proxy import TcpProxy
+from extproc.reliability.traffic import FAILURES, SteadyLoad, TrafficOptions
+from extproc.render.envoy_dynamic import write_atomically
+
+# Tight budgets, so steady traffic presses against them and over-admission would show.
+CLASSES: list[dict[str, Any]] = [
+    {"name": "short", "max_input_tokens": 2048, "budget": {"max_concurrent": 4}},
+    {"name": "medium", "max_input_tokens": 100000, "budget": {"max_concurrent": 2}},
+    {"name": "long", "budget": {"max_concurrent": 1}},
+]
+LIMITS = {c["name"]: c["budget"]["max_concurrent"] for c in CLASSES}
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    requests: int = 0
+    ok: int = 0
+    failed: int = 0
+    rejected_429: int = 0
+    truncated: int = 0
+    aborted: int = 0
+    unclassed_at_upstream: int = 0
+    over_admission: dict[str, int] = field(default_factory=dict)
+    held_after_settle: float = 0.0
+    recover_s: float | None = None
+    failures_by_kind: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+
+
+Action = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class Fault:
+    name: str
+    inject: Action
+    heal: Action
+
+
+class Chaos:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.out)
+        self.redis = RedisProc(self.out / "redis.log")
+        self.proxy = TcpProxy(LOOPBACK, self.redis.port, delay_s=args.redis_delay_s)
+        self.stack: FleetStack | None = None
+        self.load: SteadyLoad | None = None
+        self.results: list[FaultResult] = []
+        # Concurrency figures of clusters removed during the current fault.
+        self._gone_peaks: list[dict[str, Any]] = []
+
+    # ----- the fleet ------------------------------------------------------------------------
+    def fleet(self) -> FleetStack:
+        assert self.stack is not None
+        return self.stack
+
+    async def start(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.redis.start)
+        await self.proxy.start()
+        self.stack = FleetStack(
+            self.out / "fleet",
+            clusters=3,
+            processors=2,
+            dynamic_cds=True,
+            sim_args=("--time-scale", str(self.args.time_scale)),
+            processor_args=("--grace", str(self.args.grace_s)),
+            fleet_overrides={
+                "classes": CLASSES,
+                "redis": {
+                    "url": f"redis://{LOOPBACK}:{self.proxy.port}/0",
+                    "on_unavailable": "local",
+                    "timeout_ms": 50,
+                    "lease_ttl_s": 30,
+                },
+            },
+            access_log=False,
+        )
+        await asyncio.to_thread(self.stack.start)
+
+    async def stop(self) -> None:
+        if self.stack is not None:
+            await asyncio.to_thread(self.stack.stop)
+        await self.proxy.close()
+        await asyncio.to_thread(self.redis.stop)
+
+    # ----- faults ---------------------------------------------------------------------------
+    async def _restart_processor(self, index: int) -> None:
+        await asyncio.to_thread(self.fleet().start_processor, index)
+
+    async def _sigterm_and_restart(self, index: int) -> None:
+        proc = self.fleet().procs[index]
+        proc.signal(signal.SIGTERM)
+        await asyncio.to_thread(lambda: proc.popen.wait(60) if proc.popen else None)
+        await self._restart_processor(index)
+
+    async def _sim_fault(self, name: str, payload: dict[str, Any]) -> None:
+        port = self.fleet().sim_specs[name].port
+
+        def post() -> None:
+            conn = http.client.HTTPConnection(LOOPBACK, port, timeout=5)
+            try:
+                conn.request("POST", "/admin/fault", orjson.dumps(payload))
+                conn.getresponse().read()
+            finally:
+                conn.close()
+
+        await asyncio.to_thread(post)
+
+    async def _add_cluster(self) -> None:
+        await asyncio.to_thread(self.fleet().add_cluster, "c9")
+
+    async def _remove_cluster(self) -> None:
+        stack = self.fleet()
+        spec = stack.sim_specs.pop("c9")
+        cfg = yaml.safe_dump(stack.fleet_config(), sort_keys=False)
+        await asyncio.to_thread(write_atomically, stack.fleet_path, cfg)
+        # The processors drop it from placement at once and from Envoy's CDS after settling;
+        # requests already sent there finish first.
+        await asyncio.sleep(6)
+        # Its figures count for this fault: read them before it goes.
+        snap = await asyncio.to_thread(http_get, spec.port, "/admin/concurrency", 5)
+        self._gone_peaks.append(orjson.loads(snap[1]))
+        proc = stack.sims.pop(spec.name)
+        await asyncio.to_thread(proc.stop)
+
+    def schedule(self) -> list[Fault]:
+        async def nothing() -> None:
+            return None
+
+        def sync(fn: Callable[[], object]) -> Action:
+            async def run() -> None:
+                await asyncio.to_thread(fn)
+
+            return run
+
+        def set_abort(share: float) -> Action:
+            async def run() -> None:
+                assert self.load is not None
+                self.load.abort_share = share
+
+            return run
+
+        def proxy_mode(mode: Any) -> Action:
+            async def run() -> None:
+                self.proxy.set_mode(mode)
+
+            return run
+
+        f = self.fleet
+        faults = [
+            Fault("(baseline, no fault)", nothing, nothing),
+            Fault(
+                "processor SIGKILL",
+                sync(lambda: f().procs[0].kill()),
+                lambda: self._restart_processor(0),
+            ),
+            Fault(
+                "processor SIGTERM (rolling restart)",
+                lambda: self._sigterm_and_restart(0),
+                lambda: self._sigterm_and_restart(1),
+            ),
+            Fault("Redis killed", sync(self.redis.kill), sync(self.redis.start)),
+            Fault("Redis hung (SIGSTOP)", sync(self.redis.pause), sync(self.redis.resume)),
+            Fault("Redis slowed", proxy_mode("delay"), proxy_mode("pass")),
+            Fault(
+                "Redis restarted (state lost)",
+                sync(self.redis.restart),
+                nothing,
+            ),
+            Fault("processor-Redis partition", proxy_mode("blackhole"), proxy_mode("pass")),
+            Fault(
+                "cluster killed",
+                sync(lambda: f().sims["c1"].kill()),
+                sync(lambda: f().restart_sim("c1")),
+            ),
+            Fault(
+                "cluster slowed",
+                lambda: self._sim_fault("c2", {"mode": "slow", "factor": 5}),
+                lambda: self._sim_fault("c2", {"mode": "none"}),
+            ),
+            Fault(
+                "cluster erroring 503",
+                lambda: self._sim_fault("c3", {"mode": "error", "status": 503}),
+                lambda: self._sim_fault("c3", {"mode": "none"}),
+            ),
+            Fault("config reload: add + remove a cluster", self._add_cluster, self._remove_cluster),
+            Fault("client abort storm", set_abort(0.5), set_abort(0.0)),
+        ]
+        if self.args.only:
+            wanted = [w.strip().lower() for w in self.args.only.split(",")]
+            faults = [x for x in faults if any(w in x.name.lower() for w in wanted)]
+        return faults
+
+    # ----- measurement ----------------------------------------------------------------------
+    def _concurrency(self, reset: bool) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for name, spec in list(self.fleet().sim_specs.items()):
+            proc = self.fleet().sims.get(name)
+            if proc is None or not proc.alive:
+                continue
+            try:
+                if reset:
+                    conn = http.client.HTTPConnection(LOOPBACK, spec.port, timeout=5)
+                    try:
+                        conn.request("DELETE", "/admin/concurrency")
+                        out[name] = orjson.loads(conn.getresponse().read())
+                    finally:
+                        conn.close()
+                else:
+                    out[name] = orjson.loads(http_get(spec.port, "/admin/concurrency", 5)[1])
+            except OSError:
+                continue  # a cluster down right now has no figures to give
+        return out
+
+    def _held(self) -> float:
+        total = 0.0
+        for i, proc in enumerate(self.fleet().procs):
+            if not proc.alive:
+                continue
+            try:
+                total += probes.total(
+                    probes.scrape(self.fleet().metrics_ports[i]), "fleet_budget_inflight_requests"
+                )
+            except OSError:
+                continue
+        return total
+
+    async def _recovered_after(self, healed_at: float) -> float | None:
+        """Seconds from healing to the last failed or truncated answer after it (0 when none),
+        once a clean 2-second window shows the fleet is serving again; None when no clean
+        window came within the cap."""
+        assert self.load is not None
+        load = self.load
+        deadline = healed_at + self.args.recover_cap_s
+        window = 2.0
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            now = time.monotonic()
+            if now - healed_at < window:
+                continue
+            counts = load.counts(now - window, now)
+            bad = sum(counts[k] for k in FAILURES) + counts["truncated"]
+            if bad == 0 and counts["ok"] > 0:
+                bad_kinds = (*FAILURES, "truncated")
+                last_bad = max(
+                    (
+                        o.finished
+                        for o in load.outcomes
+                        if o.finished >= healed_at and o.kind in bad_kinds
+                    ),
+                    default=healed_at,
+                )
+                return round(last_bad - healed_at, 2)
+        return None
+
+    async def run_fault(self, fault: Fault) -> FaultResult:
+        assert self.load is not None
+        load = self.load
+        await asyncio.to_thread(self._concurrency, True)
+        self._gone_peaks = []
+        began = time.monotonic()
+        await fault.inject()
+        await asyncio.sleep(self.args.hold_s)
+        healed = time.monotonic()
+        await fault.heal()
+        recover = await self._recovered_after(healed)
+        # Settle: stop sending, let what is in flight finish, then read the held budget.
+        load.paused = True
+        await asyncio.to_thread(
+            wait_until, lambda: load.in_flight == 0, self.args.settle_s + 60, "traffic to drain"
+        )
+        ended = time.monotonic()
+        peaks = await asyncio.to_thread(self._concurrency, False)
+        held = self._held()
+        deadline = time.monotonic() + self.args.settle_s
+        while held and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            held = await asyncio.to_thread(self._held)
+        counts = load.counts(began, ended + 0.001)
+        over: dict[str, int] = {}
+        unclassed = 0
+        for snap in [*peaks.values(), *self._gone_peaks]:
+            for klass, peak in snap.get("peak", {}).items():
+                if klass in LIMITS:
+                    over[klass] = max(over.get(klass, 0), max(0, int(peak) - LIMITS[klass]))
+            unclassed += int(snap.get("total", {}).get("", 0))
+        result = FaultResult(
+            fault=fault.name,
+            requests=sum(counts.values()),
+            ok=counts["ok"],
+            failed=sum(counts[k] for k in FAILURES),
+            rejected_429=counts["rejected"],
+            truncated=counts["truncated"],
+            aborted=counts["aborted"],
+            unclassed_at_upstream=unclassed,
+            over_admission={k: over.get(k, 0) for k in LIMITS},
+            held_after_settle=held,
+            recover_s=recover,
+            failures_by_kind={k: counts[k] for k in FAILURES if counts[k]},
+        )
+        load.paused = False
+        await asyncio.sleep(self.args.between_s)
+        return result
+
+    async def run(self) -> list[FaultResult]:
+        await self.start()
+        try:
+            self.load = SteadyLoad(
+                self.fleet().url,
+                TrafficOptions(
+                    rate_per_s=self.args.rate,
+                    concurrency=512,
+                    sessions=400,
+                    stream_share=0.7,
+                    medium_share=0.15,
+                    max_tokens=16,
+                    timeout_s=120,
+                    seed=self.args.seed,
+                ),
+            )
+            stop = asyncio.Event()
+            runner = asyncio.create_task(self.load.run(stop))
+            await asyncio.sleep(self.args.between_s)
+            for fault in self.schedule():
+                print(f"chaos: {fault.name} ...", flush=True)
+                try:
+                    result = await self.run_fault(fault)
+                except (OSError, TimeoutError, RuntimeError) as exc:
+                    # The runner could not carry out this step (e.g. a replica did not come
+                    # back): record it and go on, the schedule's other faults still count.
+                    self.load.paused = False
+                    result = FaultResult(fault=fault.name, note=f"runner error: {exc}"[:300])
+                print("  " + row(result), flush=True)
+                self.results.append(result)
+            stop.set()
+            await runner
+        finally:
+            await self.stop()
+        return self.results
+
+
+HEADER = (
+    f"{'fault':<40} {'reqs':>6} {'failed':>6} {'429':>5} {'trunc':>5} {'unclassed':>9} "
+    f"{'over s/m/l':>10} {'held':>5} {'recover s':>9}"
+)
+
+
+def row(r: FaultResult) -> str:
+    over = "/".join(str(r.over_admission.get(k, 0)) for k in LIMITS) if r.over_admission else "-"
+    recover = "-" if r.recover_s is None else f"{r.recover_s:.2f}"
+    line = (
+        f"{r.fault:<40} {r.requests:>6} {r.failed:>6} {r.rejected_429:>5} {r.truncated:>5} "
+        f"{r.unclassed_at_upstream:>9} {over:>10} {r.held_after_settle:>5g} {recover:>9}"
+    )
+    return line + (f"  [{r.note}]" if r.note else "")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hold-s", type=float, default=10.0, help="how long each fault lasts")
+    parser.add_argument("--rate", type=float, default=25.0, help="requests per second")
+    parser.add_argument("--settle-s", type=float, default=20.0)
+    parser.add_argument("--recover-cap-s", type=float, default=45.0)
+    parser.add_argument("--between-s", type=float, default=3.0)
+    parser.add_argument("--grace-s", type=float, default=30.0, help="processor drain grace")
+    parser.add_argument("--time-scale", type=float, default=0.5, help="simulated cluster speed")
+    parser.add_argument("--redis-delay-s", type=float, default=0.2, help="slowed Redis delay")
+    parser.add_argument("--only", default="", help="comma-separated fault name filters")
+    parser.add_argument("--out", default="out/chaos")
+    parser.add_argument("--seed", type=int, default=1)
+
+
+def run(args: argparse.Namespace) -> int:
+    chaos = Chaos(args)
+    results = asyncio.run(chaos.run())
+    print(HEADER)
+    for r in results:
+        print(row(r))
+    report = {
+        "command": (
+            f"extproc chaos --hold-s {args.hold_s:g} --rate {args.rate:g}"
+            + (f" --only {args.only}" if args.only else "")
+        ),
+        "limits_max_concurrent": LIMITS,
+        "results": [asdict(r) for r in results],
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "chaos.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    print(f"chaos: JSON in {Path(args.out) / 'chaos.json'}")
+    # The run measures; it fails only when it could not measure (a runner error).
+    return 1 if any(r.note for r in results) else 0

@@ -1,0 +1,36 @@
+"""CI's one short pass of the chaos schedule (`extproc chaos`, 2-second faults).
+
+The full run (10-second faults, figures in RELIABILITY.md) is the same command with defaults.
+Here: every fault of the schedule is carried out and measured, the fault-free baseline is
+clean, traffic recovers after every fault, and no budget is left held after settling.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+
+FAULTS = 13  # the baseline and twelve faults
+
+
+def test_one_short_pass_of_the_fault_schedule(tmp_path: Path) -> None:
+    out = tmp_path / "chaos"
+    argv = [sys.executable, "-m", "extproc", "chaos", "--hold-s", "2", "--settle-s", "15"]
+    argv += ["--recover-cap-s", "30", "--between-s", "1", "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    results = orjson.loads((out / "chaos.json").read_bytes())["results"]
+    assert len(results) == FAULTS, [r["fault"] for r in results]
+    baseline = results[0]
+    assert baseline["fault"].startswith("(baseline")
+    assert baseline["requests"] > 20
+    assert baseline["failed"] == 0 and baseline["truncated"] == 0
+    assert all(v == 0 for v in baseline["over_admission"].values()), baseline
+    for r in results:
+        assert r["note"] == "", r
+        assert r["requests"] > 0, r
+        assert r["recover_s"] is not None, r
+        assert r["held_after_settle"] == 0, r
