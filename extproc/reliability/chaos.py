@@ -46,6 +46,7 @@ CLASSES: list[dict[str, Any]] = [
     {"name": "medium", "max_input_tokens": 100000, "budget": {"max_concurrent": 2}},
     {"name": "long", "budget": {"max_concurrent": 1}},
 ]
+ERRORS = "fleet_ledger_redis_errors_total"
 LIMITS = {c["name"]: c["budget"]["max_concurrent"] for c in CLASSES}
 
 
@@ -61,6 +62,8 @@ class FaultResult:
     unclassed_at_upstream: int = 0
     over_admission: dict[str, int] = field(default_factory=dict)
     held_after_settle: float = 0.0
+    # Ledger calls that failed or timed out (replicas then admit on local budgets).
+    redis_errors: int = 0
     recover_s: float | None = None
     failures_by_kind: dict[str, int] = field(default_factory=dict)
     note: str = ""
@@ -252,6 +255,16 @@ class Chaos:
                 continue  # a cluster down right now has no figures to give
         return out
 
+    def _counter(self, name: str) -> list[float]:
+        values = []
+        for i, proc in enumerate(self.fleet().procs):
+            try:
+                scraped = probes.scrape(self.fleet().metrics_ports[i]) if proc.alive else {}
+            except OSError:
+                scraped = {}
+            values.append(probes.total(scraped, name))
+        return values
+
     def _held(self) -> float:
         total = 0.0
         for i, proc in enumerate(self.fleet().procs):
@@ -298,6 +311,7 @@ class Chaos:
         load = self.load
         await asyncio.to_thread(self._concurrency, True)
         self._gone_peaks = []
+        errors_before = await asyncio.to_thread(self._counter, ERRORS)
         began = time.monotonic()
         await fault.inject()
         await asyncio.sleep(self.args.hold_s)
@@ -317,6 +331,12 @@ class Chaos:
             await asyncio.sleep(0.5)
             held = await asyncio.to_thread(self._held)
         counts = load.counts(began, ended + 0.001)
+        errors_after = await asyncio.to_thread(self._counter, ERRORS)
+        # A restarted replica starts its counters from zero: count what it shows since.
+        redis_errors = sum(
+            after - before if after >= before else after
+            for before, after in zip(errors_before, errors_after, strict=True)
+        )
         over: dict[str, int] = {}
         unclassed = 0
         for snap in [*peaks.values(), *self._gone_peaks]:
@@ -335,6 +355,7 @@ class Chaos:
             unclassed_at_upstream=unclassed,
             over_admission={k: over.get(k, 0) for k in LIMITS},
             held_after_settle=held,
+            redis_errors=int(redis_errors),
             recover_s=recover,
             failures_by_kind={k: counts[k] for k in FAILURES if counts[k]},
         )
@@ -381,7 +402,7 @@ class Chaos:
 
 HEADER = (
     f"{'fault':<40} {'reqs':>6} {'failed':>6} {'429':>5} {'trunc':>5} {'unclassed':>9} "
-    f"{'over s/m/l':>10} {'held':>5} {'recover s':>9}"
+    f"{'over s/m/l':>10} {'redis err':>9} {'held':>5} {'recover s':>9}"
 )
 
 
@@ -390,7 +411,8 @@ def row(r: FaultResult) -> str:
     recover = "-" if r.recover_s is None else f"{r.recover_s:.2f}"
     line = (
         f"{r.fault:<40} {r.requests:>6} {r.failed:>6} {r.rejected_429:>5} {r.truncated:>5} "
-        f"{r.unclassed_at_upstream:>9} {over:>10} {r.held_after_settle:>5g} {recover:>9}"
+        f"{r.unclassed_at_upstream:>9} {over:>10} {r.redis_errors:>9} {r.held_after_settle:>5g} "
+        f"{recover:>9}"
     )
     return line + (f"  [{r.note}]" if r.note else "")
 
