@@ -10,6 +10,10 @@ The upstream is a second Envoy answering every request with a fixed JSON body
 (``direct_response``), so the upstream costs almost nothing and the same in every set-up.
 For each body size and connection count it records p50/p99 latency, requests/s, and the
 processor's CPU time per request (utime + stime from /proc/<pid>/stat).
+
+``--baseline REV`` adds a fourth set-up, ``baseline``: the real processor as of another git
+revision (checked out into a temporary worktree and run from there with the same interpreter
+and dependencies), so a change is compared with the code before it in the same run.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from extproc.harness.launch import LOOPBACK, Proc, envoy_binary, free_port, http
 from extproc.render.envoy import EnvoyOptions, Mode, ext_type, render_bootstrap
 
 SETUPS = ("envoy", "bare", "extproc")
+BASELINE_SETUP = "baseline"
 # `extproc-wN`: the real processor as N worker processes sharing the port (SO_REUSEPORT).
 WORKER_SETUP = "extproc-w"
 SIZES = {"1KB": 1024, "64KB": 64 * 1024, "4MiB": 4 * 1024 * 1024}
@@ -191,8 +196,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 class Bench:
-    def __init__(self, workdir: Path, duration: float, wrk: str) -> None:
+    def __init__(
+        self, workdir: Path, duration: float, wrk: str, baseline_src: Path | None = None
+    ) -> None:
         self.workdir = workdir
+        self.baseline_src = baseline_src
         self.duration = duration
         self.wrk = wrk
         self.up_ports = [free_port(), free_port()]
@@ -280,6 +288,13 @@ class Bench:
                 "c1__c2",
             ]
             processor = Proc("bare", argv, self.workdir / "bare.log")
+        elif setup == BASELINE_SETUP:
+            assert self.baseline_src is not None
+            argv = [sys.executable, "-m", "extproc", "serve", "--config", str(self.fleet_path)]
+            argv += ["--log-level", "warning", "--workers", "1"]
+            # The older tree first on the path: its `extproc` shadows the installed one.
+            env = {"PYTHONPATH": str(self.baseline_src)}
+            processor = Proc(setup, argv, self.workdir / f"{setup}.log", env=env)
         elif setup.startswith("extproc"):
             workers = int(setup.removeprefix(WORKER_SETUP)) if setup.startswith(WORKER_SETUP) else 1
             variant = setup.partition("+")[2]
@@ -386,16 +401,19 @@ def run_bench(
     warmup: float,
     workers: list[int] | None = None,
     variants: list[str] | None = None,
+    baseline: str | None = None,
 ) -> list[WrkResult]:
     wrk = shutil.which("wrk")
     if not wrk:
         raise FileNotFoundError("wrk not found: apt-get install wrk")
     results: list[WrkResult] = []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-        bench = Bench(Path(tmp), duration, wrk)
+        baseline_src = _checkout(baseline, Path(tmp) / "baseline") if baseline else None
+        bench = Bench(Path(tmp), duration, wrk, baseline_src)
         try:
             bench.start_upstream()
-            setups = list(SETUPS) + [f"{WORKER_SETUP}{n}" for n in (workers or []) if n > 1]
+            setups = list(SETUPS) + ([BASELINE_SETUP] if baseline_src else [])
+            setups += [f"{WORKER_SETUP}{n}" for n in (workers or []) if n > 1]
             setups += [f"extproc+{v}" for v in (variants or [])]
             for setup in setups:
                 front, processor = bench.start_setup(setup)
@@ -413,7 +431,31 @@ def run_bench(
                 time.sleep(0.5)
         finally:
             bench.stop_all()
+            if baseline_src is not None:
+                _remove_checkout(baseline_src)
     return results
+
+
+def _repo() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def _checkout(rev: str, dest: Path) -> Path:
+    """A detached worktree of ``rev`` (a commit, tag or branch of this repository)."""
+    subprocess.run(
+        ["git", "-C", str(_repo()), "worktree", "add", "--detach", "--quiet", str(dest), rev],
+        check=True,
+        timeout=120,
+    )
+    return dest
+
+
+def _remove_checkout(dest: Path) -> None:
+    subprocess.run(
+        ["git", "-C", str(_repo()), "worktree", "remove", "--force", str(dest)],
+        check=False,
+        timeout=120,
+    )
 
 
 def _row(r: WrkResult) -> str:
@@ -482,6 +524,32 @@ def summarize(results: list[WrkResult]) -> list[str]:
     lines += _against_extproc(by, multi, "rps: extproc (1 worker) / ", with_ratio=True)
     extras = sorted({r.setup for r in results if "+" in r.setup})
     lines += _against_extproc(by, extras, "rps: extproc / ", with_ratio=False)
+    lines += _against_baseline(by)
+    return lines
+
+
+def _against_baseline(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
+    """This code beside the baseline revision's, in the same run."""
+    pairs = [
+        (one, by[(BASELINE_SETUP, size, conns)])
+        for (setup, size, conns), one in by.items()
+        if setup == "extproc" and (BASELINE_SETUP, size, conns) in by
+    ]
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "| body | conns | rps: baseline / this | p50 ms: baseline / this | p99 ms: baseline / this"
+        " | CPU us/req: baseline / this | this / baseline rps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for now, old in pairs:
+        lines.append(
+            f"| {now.size} | {now.connections} | {old.rps:.0f} / {now.rps:.0f} "
+            f"| {old.p50_ms:.3f} / {now.p50_ms:.3f} | {old.p99_ms:.3f} / {now.p99_ms:.3f} "
+            f"| {old.proc_cpu_us_per_req or 0:.0f} / {now.proc_cpu_us_per_req or 0:.0f} "
+            f"| {now.rps / old.rps:.2f} |"
+        )
     return lines
 
 
@@ -499,6 +567,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also measure the processor with these features on: affinity (response headers),"
         " usage (response headers and bodies); '' for none",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        default=None,
+        help="also run the processor as of this git revision (e.g. the commit before a change)",
+    )
     parser.add_argument("--json-out", default="out/bench/overhead.json")
 
 
@@ -515,7 +589,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown_variants:
         print(f"unknown variants {unknown_variants}; choose from {list(VARIANTS)}", file=sys.stderr)
         return 2
-    results = run_bench(args.duration, sizes, conns, args.warmup, workers, variants)
+    results = run_bench(args.duration, sizes, conns, args.warmup, workers, variants, args.baseline)
     print("\n".join(summarize(results)))
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
