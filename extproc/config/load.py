@@ -12,8 +12,10 @@ import yaml
 from pydantic import ValidationError
 
 from extproc.config.label_secret import LabelSecretError
-from extproc.config.runtime import Runtime, compile_runtime
+from extproc.config.runtime import Overrides, Runtime, compile_runtime
 from extproc.config.schema import RESERVED_CLUSTER_NAMES, ClassConfig, FleetConfig
+from extproc.core.admission import effective_burst
+from extproc.core.fleet import Budget
 from extproc.names import FLEET_HEADER_PREFIX
 
 
@@ -114,7 +116,8 @@ def cross_check(cfg: FleetConfig) -> list[str]:
         limit = cls.max_input_tokens
         # A bounded class must be able to admit its own largest request; otherwise those
         # requests could only ever get 413. (The catch-all class has no bound to check.)
-        burst = b.burst_tokens or int(b.tokens_per_second)  # 0 burst = one second of refill
+        # The bucket's capacity exactly as admission computes it (0 = one second of refill).
+        burst = effective_burst(Budget(0, 0, b.tokens_per_second, b.burst_tokens))
         if b.tokens_per_second and limit and burst < limit - 1:
             problems.append(
                 f"classes[{i}].budget.burst_tokens: must be >= max_input_tokens - 1 "
@@ -210,17 +213,19 @@ def load_config(path: str | Path) -> tuple[FleetConfig, bytes]:
     return parse_yaml(raw, str(p)), raw
 
 
-def _compile(cfg: FleetConfig, raw: bytes, source: str) -> Runtime:
+def _compile(
+    cfg: FleetConfig, raw: bytes, source: str, overrides: Overrides | None = None
+) -> Runtime:
     try:
-        return compile_runtime(cfg, raw)
+        return compile_runtime(cfg, raw, overrides)
     except LabelSecretError as exc:
         raise ConfigError(source, [str(exc)]) from None
 
 
-def runtime_from_bytes(raw: bytes, source: str) -> Runtime:
-    return _compile(parse_yaml(raw, source), raw, source)
+def runtime_from_bytes(raw: bytes, source: str, overrides: Overrides | None = None) -> Runtime:
+    return _compile(parse_yaml(raw, source), raw, source, overrides)
 
 
-def load_runtime(path: str | Path) -> Runtime:
+def load_runtime(path: str | Path, overrides: Overrides | None = None) -> Runtime:
     cfg, raw = load_config(path)
-    return _compile(cfg, raw, str(path))
+    return _compile(cfg, raw, str(path), overrides)

@@ -1,13 +1,19 @@
-"""The compiled, immutable runtime object the processor serves from; swapped whole on reload."""
+"""The compiled, immutable runtime object the processor serves from; swapped whole on reload.
+
+Everything the serving path reads per request is compiled here once: placement, classes and
+budgets, key rules, affinity parameters, prices, the Redis settings with the command line's
+override applied (:class:`Overrides`), and the response headers the pipeline reads. The pydantic
+model stays attached (``config``) for the renderers and for process set-up, not for requests.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Literal
 
 from extproc.config.label_secret import resolve_label_secret
 from extproc.config.schema import AffinityConfig, FleetConfig
@@ -17,7 +23,29 @@ from extproc.core.decide import Policy
 from extproc.core.facts import ParseLimits
 from extproc.core.fleet import Budget, Cluster, RequestClass
 from extproc.core.keys import KeyRules
+from extproc.core.load import LOAD_HEADERS
 from extproc.core.placement import Rendezvous
+from extproc.core.usage import Prices
+
+
+@dataclass(frozen=True, slots=True)
+class Overrides:
+    """Settings the command line or the environment override, resolved in one place
+    (``extproc serve``: ``--redis-url``, else ``$FLEET_REDIS_URL``, else ``redis.url``)."""
+
+    redis_url: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    """fleet.yaml's ``redis:`` with the override applied; ``url`` None = in-memory only."""
+
+    url: str | None = None
+    key_prefix: str = "fleet"
+    timeout_s: float = 0.05
+    lease_ttl_s: float = 30.0
+    on_unavailable: Literal["local", "closed"] = "local"
+    replicas: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,13 +59,26 @@ class Runtime:
     endpoints: Mapping[str, tuple[str, ...]]
     affinity: AffinityParams = field(default_factory=AffinityParams)
     label_secret_source: str = "process"  # file | env | process (extproc.config.label_secret)
+    redis: RedisSettings = field(default_factory=RedisSettings)
+    prices: Prices = field(default_factory=Prices)
+    endpoint_picker: bool = False  # processor.mode == "endpoint_picker"
+    inspect_usage: bool = False
+    # Bound of the per-replica session memory (affinity.max_sessions).
+    max_sessions: int = 1_000_000
+    served_by_header: str | None = "x-served-by"
+    # The response headers the pipeline reads when it reads any: load reports, the serving
+    # cluster's name, the content type (SSE or not, for usage inspection).
+    response_headers: tuple[str, ...] = (*LOAD_HEADERS, "x-served-by", "content-type")
 
     @property
     def cluster_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.clusters)
 
 
-def compile_runtime(cfg: FleetConfig, raw: bytes | None = None) -> Runtime:
+def compile_runtime(
+    cfg: FleetConfig, raw: bytes | None = None, overrides: Overrides | None = None
+) -> Runtime:
+    overrides = overrides or Overrides()
     clusters = tuple(
         Cluster(c.name, tuple(c.endpoints), c.weight, c.health_path) for c in cfg.clusters
     )
@@ -65,6 +106,7 @@ def compile_runtime(cfg: FleetConfig, raw: bytes | None = None) -> Runtime:
         for cls in classes
     }
     material = raw if raw is not None else cfg.model_dump_json().encode()
+    served = cfg.affinity.served_by_header
     label_secret = resolve_label_secret(cfg.session)
     return Runtime(
         config=cfg,
@@ -92,6 +134,20 @@ def compile_runtime(cfg: FleetConfig, raw: bytes | None = None) -> Runtime:
         endpoints=MappingProxyType({c.name: c.endpoints for c in clusters}),
         affinity=affinity_params(cfg.affinity),
         label_secret_source=label_secret.source,
+        redis=RedisSettings(
+            url=overrides.redis_url or cfg.redis.url,
+            key_prefix=cfg.redis.key_prefix,
+            timeout_s=cfg.redis.timeout_ms / 1000,
+            lease_ttl_s=cfg.redis.lease_ttl_s,
+            on_unavailable=cfg.redis.on_unavailable,
+            replicas=cfg.redis.replicas,
+        ),
+        prices=Prices(cfg.prices.cached_input, cfg.prices.uncached_input, cfg.prices.output),
+        endpoint_picker=cfg.processor.mode == "endpoint_picker",
+        inspect_usage=cfg.processor.inspect_usage,
+        max_sessions=cfg.affinity.max_sessions,
+        served_by_header=served,
+        response_headers=(*LOAD_HEADERS, *([served] if served else []), "content-type"),
     )
 
 
@@ -120,24 +176,12 @@ def affinity_params(cfg: AffinityConfig) -> AffinityParams:
     )
 
 
-def scale_budgets(runtime: Runtime, factor: float) -> Runtime:
-    """The same runtime with every budget multiplied by ``factor`` (rounded down, min 1 where
-    a cap was set): one worker's share when several workers split an in-memory budget."""
-
-    def share(value: int) -> int:
-        return max(1, math.floor(value * factor)) if value else 0
-
+def scale_budgets(runtime: Runtime, parts: int) -> Runtime:
+    """The same runtime with one of ``parts`` equal shares of every budget
+    (:meth:`~extproc.core.fleet.Budget.share`): one worker's part when several workers split
+    an in-memory budget."""
     classes = tuple(
-        dataclasses.replace(
-            cls,
-            budget=Budget(
-                share(cls.budget.max_inflight_tokens),
-                share(cls.budget.max_concurrent),
-                cls.budget.tokens_per_second * factor,
-                share(cls.budget.burst_tokens),
-            ),
-        )
-        for cls in runtime.policy.classes
+        dataclasses.replace(cls, budget=cls.budget.share(parts)) for cls in runtime.policy.classes
     )
     policy = Policy(classes, runtime.policy.placers)
     return dataclasses.replace(runtime, policy=policy)

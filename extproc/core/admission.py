@@ -36,7 +36,7 @@ from random import Random
 
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
-from extproc.core.fleet import Budget
+from extproc.core.fleet import Budget, share_of
 
 # Time constant of the exponentially weighted release-rate estimate: long enough to smooth
 # bursts of completions, short enough to follow a class whose request lengths change.
@@ -97,15 +97,11 @@ class Limits:
         """
         if replicas <= 1:
             return self
-
-        def part(value: int) -> int:
-            return max(1, value // replicas) if value else 0
-
         return Limits(
-            part(self.max_inflight_tokens),
-            part(self.max_concurrent),
+            share_of(self.max_inflight_tokens, replicas),
+            share_of(self.max_concurrent, replicas),
             self.tokens_per_second / replicas,
-            part(self.burst_tokens),
+            share_of(self.burst_tokens, replicas),
         )
 
     @property

@@ -32,6 +32,24 @@ class Budget:
     def enforced(self) -> bool:
         return bool(self.max_inflight_tokens or self.max_concurrent or self.tokens_per_second)
 
+    def share(self, parts: int) -> Budget:
+        """One of ``parts`` equal shares, for a replica or worker that enforces its part alone
+        (rate divided; caps by :func:`share_of`)."""
+        if parts <= 1:
+            return self
+        return Budget(
+            share_of(self.max_inflight_tokens, parts),
+            share_of(self.max_concurrent, parts),
+            self.tokens_per_second / parts,
+            share_of(self.burst_tokens, parts),
+        )
+
+
+def share_of(cap: int, parts: int) -> int:
+    """One of ``parts`` shares of a cap: rounded down, so the parts together never exceed the
+    whole, but never below 1, so a capped dimension stays capped (0 means "no cap")."""
+    return max(1, cap // parts) if cap else 0
+
 
 @dataclass(frozen=True, slots=True)
 class RequestClass:

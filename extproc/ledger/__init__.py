@@ -1,13 +1,12 @@
 """Budget ledgers: where admission reservations are held (in memory, or in Redis)."""
 
-from extproc.ledger.base import Ledger, LedgerUnavailable
+from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.gate import AdmissionGate, build_gate
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.redis import RedisLedger
 
 __all__ = [
     "AdmissionGate",
-    "Ledger",
     "LedgerUnavailable",
     "MemoryLedger",
     "RedisLedger",

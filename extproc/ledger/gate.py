@@ -49,6 +49,7 @@ from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.metrics import LedgerMetrics
 from extproc.ledger.redis import RedisLedger, lease_ttl_tick
+from extproc.redis_health import RedisHealth
 
 log = logging.getLogger("extproc.ledger")
 
@@ -100,6 +101,7 @@ class AdmissionGate:
         replicas: int = 1,
         probe_interval_s: float = 1.0,
         renew_interval_s: float | None = None,
+        health: RedisHealth | None = None,
     ) -> None:
         self._local = local
         self._shared = shared
@@ -108,11 +110,12 @@ class AdmissionGate:
         self._rng = rng
         self._on_unavailable = on_unavailable
         self._replicas = max(1, replicas)
-        self._probe_interval_s = probe_interval_s
         self._renew_interval_s = renew_interval_s or (
             lease_ttl_tick(shared.lease_ttl_s) if shared is not None else 1.0
         )
-        self._down_until: float | None = None
+        # Shared with the affinity session store when the service builds both (one Redis).
+        self._health = health or RedisHealth(probe_interval_s)
+        self._health.subscribe(self._health_changed)
         self._held: dict[str, Ticket] = {}
         self._limits_seen: dict[tuple[str, str], Limits] = {}
         self._series_cache: dict[tuple[str, str, str], _Series] = {}
@@ -126,7 +129,7 @@ class AdmissionGate:
     @property
     def mode(self) -> Literal["redis", "local"]:
         """Where new reservations go right now."""
-        return "redis" if self._shared is not None and self._down_until is None else "local"
+        return "redis" if self._shared is not None and self._health.up else "local"
 
     @property
     def held(self) -> int:
@@ -197,7 +200,7 @@ class AdmissionGate:
             answer = await self._reserve_shared(self._shared, demand)
         if answer is None:
             if self._shared is not None and self._on_unavailable == "closed":
-                reject = unavailable(demand, self._probe_interval_s, self._rng)
+                reject = unavailable(demand, self._health.probe_interval_s, self._rng)
                 self._count_reject(reject)
                 return reject
             demand = demand.shared(self._replicas)
@@ -305,15 +308,15 @@ class AdmissionGate:
 
     # -- Redis health -----------------------------------------------------------------------
 
+    def _health_changed(self, up: bool) -> None:
+        self._m.set_mode("redis" if up else "local")
+
     def _redis_due(self) -> bool:
-        return self._down_until is None or self._clock() >= self._down_until
+        return self._health.due(self._clock())
 
     def _redis_failed(self, op: str, exc: Exception) -> None:
         self._m.redis_errors.labels(op).inc()
-        was_up = self._down_until is None
-        self._down_until = self._clock() + self._probe_interval_s
-        if was_up:
-            self._m.set_mode("local")
+        self._health.failed(self._clock())
         suppressed = self._throttle.allow("redis_down")
         if suppressed is not None:
             log.warning(
@@ -325,10 +328,8 @@ class AdmissionGate:
             )
 
     def _redis_ok(self) -> None:
-        if self._down_until is None:
+        if not self._health.succeeded():
             return
-        self._down_until = None
-        self._m.set_mode("redis")
         suppressed = self._throttle.allow("redis_up")
         if suppressed is not None:
             log.info("redis ledger reachable again; shared budgets in force")
@@ -368,7 +369,7 @@ class AdmissionGate:
                     self._m.leases_lost.inc(len(lost))
                     if self._throttle.allow("leases_lost") is not None:
                         log.warning("redis no longer had %d of our leases", len(lost))
-            elif self._down_until is not None and self._redis_due():
+            elif not self._health.up and self._redis_due():
                 await shared.ping()
             else:
                 return
@@ -415,20 +416,21 @@ def build_gate(
     redis_url_override: str | None = None,
     *,
     probe_interval_s: float = 1.0,
+    health: RedisHealth | None = None,
 ) -> AdmissionGate:
     """The gate for a runtime's ``redis`` section; in-memory only when no URL is configured.
 
     The Redis settings are read once here; budgets come from each request's route, so a
     reloaded runtime's budgets apply to the next admission without rebuilding the gate.
     """
-    cfg = runtime.config.redis
+    cfg = runtime.redis
     url = redis_url_override or cfg.url
     shared = (
         RedisLedger.from_url(
             url,
             prefix=cfg.key_prefix,
             lease_ttl_s=cfg.lease_ttl_s,
-            timeout_s=cfg.timeout_ms / 1000,
+            timeout_s=cfg.timeout_s,
         )
         if url
         else None
@@ -442,6 +444,7 @@ def build_gate(
         on_unavailable=cfg.on_unavailable,
         replicas=cfg.replicas,
         probe_interval_s=probe_interval_s,
+        health=health,
     )
     gate.publish_limits(runtime)
     return gate

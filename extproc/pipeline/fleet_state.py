@@ -16,7 +16,8 @@ Kept out of core/ because it is state over time and I/O:
   (GET + PTTL of the override, SET ... GET of the seen mark) and one SET when an override is
   written. Calls are bounded by ``redis.timeout_ms``; on failure the replica's own memory
   answers (fail-open: a lost override costs at most one cache miss, never a request) and Redis
-  is left alone for ``PROBE_INTERVAL_S``. Memory is always written too, so it is warm then.
+  is left alone for the probe interval of the Redis health tracker it shares with the ledger
+  (extproc/redis_health.py). Memory is always written too, so it is warm then.
 - :class:`FleetState` — the facade the servicer calls, plus the hot-key estimator.
 """
 
@@ -38,12 +39,11 @@ from extproc.core.keys import KeySource
 from extproc.core.load import ClusterLoad, FleetSnapshot, LoadReport
 from extproc.metrics import Metrics
 from extproc.redis_client import bounded_client
+from extproc.redis_health import PROBE_INTERVAL_S, RedisHealth
 
 log = logging.getLogger("extproc.affinity")
 
-# After a Redis failure, how long requests use memory only before Redis is tried again: an
-# outage then costs one timeout per interval, not one per request.
-PROBE_INTERVAL_S = 5.0
+__all__ = ["PROBE_INTERVAL_S", "FleetState", "LoadTable", "RedisSessions", "SessionMemory"]
 
 
 class LoadTable:
@@ -215,13 +215,15 @@ class FleetState:
         metrics: Metrics,
         max_sessions: int = 1_000_000,
         shared: RedisSessions | None = None,
+        health: RedisHealth | None = None,
     ) -> None:
         self.metrics = metrics
         self.load = LoadTable()
         self.memory = SessionMemory(max_sessions)
         self.shared = shared
+        # The service passes the ledger's tracker: one view of one Redis.
+        self.health = health or RedisHealth()
         self._hot: HotKeys | None = None
-        self._shared_down_until = 0.0
         # Metric children cached per cluster: labels() costs more than the update itself.
         self._kv_gauges: dict[str, Any] = {}
         self._queue_gauges: dict[str, Any] = {}
@@ -235,7 +237,7 @@ class FleetState:
 
     # -- sessions ----------------------------------------------------------------------------
     def _shared_usable(self, now: float) -> bool:
-        return self.shared is not None and now >= self._shared_down_until
+        return self.shared is not None and self.health.due(now)
 
     def _shared_failed(self, op: str, exc: BaseException, now: float) -> None:
         self.metrics.affinity_store_errors.labels(op).inc()
@@ -245,10 +247,10 @@ class FleetState:
             extra={
                 "op": op,
                 "error": f"{type(exc).__name__}: {exc}",
-                "retry_in_s": PROBE_INTERVAL_S,
+                "retry_in_s": self.health.probe_interval_s,
             },
         )
-        self._shared_down_until = now + PROBE_INTERVAL_S
+        self.health.failed(now)
 
     async def view(
         self,
@@ -279,6 +281,7 @@ class FleetState:
             except (RedisError, OSError) as exc:  # TimeoutError is an OSError
                 self._shared_failed("lookup", exc, now)
             else:
+                self.health.succeeded()
                 # Either store having seen it makes it existing (a restarted Redis forgets).
                 seen = seen or shared_seen
                 override = shared_override or override
@@ -303,6 +306,8 @@ class FleetState:
                 await self.shared.write(key, override, now)
             except (RedisError, OSError) as exc:
                 self._shared_failed("write", exc, now)
+            else:
+                self.health.succeeded()
 
     # -- load --------------------------------------------------------------------------------
     def _child(self, cache: dict[str, Any], gauge: Any, cluster: str) -> Any:

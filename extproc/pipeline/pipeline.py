@@ -28,9 +28,9 @@ from extproc.core.api import Api, BadRequest, api_for_path
 from extproc.core.decide import Route
 from extproc.core.endpoints import pick_endpoints
 from extproc.core.facts import RequestFacts, parse_request
-from extproc.core.load import LOAD_HEADERS, parse_load_headers
+from extproc.core.load import parse_load_headers
 from extproc.core.placement import mix64
-from extproc.core.usage import Prices, SseUsageScanner, Usage, usage_from_body
+from extproc.core.usage import SseUsageScanner, Usage, usage_from_body
 from extproc.ledger.gate import AdmissionGate
 from extproc.metrics import Metrics
 from extproc.pipeline.endpoint_health import EndpointHealth
@@ -74,7 +74,7 @@ class Pipeline:
         self._metrics = metrics
         self._gate = gate
         self._endpoint_health = endpoint_health
-        self.fleet = fleet or FleetState(metrics, runtime.current.config.affinity.max_sessions)
+        self.fleet = fleet or FleetState(metrics, runtime.current.max_sessions)
         # Per-request salt for the policy's hot-key tie-break: a mixed counter, reproducible
         # (no unseeded randomness) and, unlike the bare counter, free of aliasing with periodic
         # traffic (a hot request after every other request would see only even salts).
@@ -91,6 +91,13 @@ class Pipeline:
     @property
     def gate(self) -> AdmissionGate | None:
         return self._gate
+
+    def use(self, runtime: Runtime) -> None:
+        """Serve ``runtime`` from the next request on (a reload): one reference assignment;
+        requests already decided keep what they hold."""
+        self._runtime.current = runtime
+        # The session memory trims to a lower bound on its next writes.
+        self.fleet.memory.max_sessions = runtime.max_sessions
 
     # -- the decision -----------------------------------------------------------------------
     async def decide(self, headers: Mapping[str, str], body: bytes | None, now: float) -> Outcome:
@@ -176,7 +183,7 @@ class Pipeline:
         if runtime.affinity.enabled:
             hold.routed_to = primary
             self.fleet.routed(primary)
-        if runtime.config.processor.inspect_usage:
+        if runtime.inspect_usage:
             hold.usage_cluster = primary
         endpoints = self._endpoints(runtime, facts, route)
         if endpoints == ():
@@ -230,8 +237,6 @@ class Pipeline:
     ) -> Decision:
         """Feed the pure affinity policy: candidates, load snapshot, session memory, now."""
         fleet = self.fleet
-        # A reload may change the bound; the memory trims to it on its next writes.
-        fleet.memory.max_sessions = runtime.config.affinity.max_sessions
         params = runtime.affinity
         ranked = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
         salt = mix64(self._decisions)
@@ -251,7 +256,7 @@ class Pipeline:
         self, runtime: Runtime, facts: RequestFacts, route: Route
     ) -> tuple[str, ...] | None:
         """Endpoint-picker mode: the endpoints to try, in order (None in route mode)."""
-        if runtime.config.processor.mode != "endpoint_picker":
+        if not runtime.endpoint_picker:
             return None
         hashed = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
         # The decided (primary, secondary) first — pure hashing's own top two unless affinity
@@ -274,13 +279,10 @@ class Pipeline:
         if hold is None:
             return ()
         runtime = self._runtime.current
-        inspect = runtime.config.processor.inspect_usage and hold.usage_cluster is not None
+        inspect = runtime.inspect_usage and hold.usage_cluster is not None
         if (hold.routed_to is None or hold.reported) and not inspect:
             return ()
-        served_header = runtime.config.affinity.served_by_header
-        if served_header:
-            return (*LOAD_HEADERS, served_header, "content-type")
-        return (*LOAD_HEADERS, "content-type")
+        return runtime.response_headers
 
     def observe_response(self, hold: Hold, found: Mapping[str, str], now: float) -> bool:
         """The response headers of a routed exchange arrived (``found``: the wanted ones).
@@ -289,7 +291,7 @@ class Pipeline:
         response body should stream through usage inspection (an SSE response).
         """
         runtime = self._runtime.current
-        served_header = runtime.config.affinity.served_by_header
+        served_header = runtime.served_by_header
         served_by = found.get(served_header) if served_header else None
         if served_by not in runtime.cluster_names:
             served_by = None  # not one of ours (or absent): credit the cluster we chose
@@ -298,7 +300,7 @@ class Pipeline:
             hold.reported = True
             report = parse_load_headers(found)
             self.fleet.reported(chosen, served_by, report, now, runtime.affinity)
-        inspect = runtime.config.processor.inspect_usage and hold.usage_cluster is not None
+        inspect = runtime.inspect_usage and hold.usage_cluster is not None
         if not inspect:
             return False
         if served_by is not None:
@@ -333,8 +335,7 @@ class Pipeline:
             max(0, usage.prompt_tokens - usage.cached_tokens)
         )
         m.upstream_output_tokens.labels(cluster).inc(usage.output_tokens)
-        p = self._runtime.current.config.prices
-        prices = Prices(p.cached_input, p.uncached_input, p.output)
+        prices = self._runtime.current.prices
         m.cost_dollars.labels(cluster).inc(prices.cost(usage))
         m.cache_savings_dollars.labels(cluster).inc(prices.saved(usage))
 

@@ -1,6 +1,6 @@
 """Render a complete Envoy bootstrap from the fleet config.
 
-Every setting here was verified against Envoy 1.40 (see DESIGN.md / ENVOY-NOTES.md); the
+Every setting here was verified against Envoy 1.40 (ARCHITECTURE.md, "Decisions"); the
 comments say why each one is needed. Three modes share listeners, clusters and health checks so
 that benchmarks compare like with like:
 

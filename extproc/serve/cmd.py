@@ -11,9 +11,9 @@ import sys
 import time
 from types import FrameType
 
-# grpcio's EventEngine paths cost ~70 µs per exchange more than the legacy poller on this
-# workload (DESIGN.md, measured). The switch is read when grpc initialises, so it must be set
-# before anything imports grpc; an operator's own GRPC_EXPERIMENTS wins.
+# grpcio's EventEngine paths cost more per exchange than the legacy poller on this workload
+# (ARCHITECTURE.md, "Decisions"). The switch is read when grpc initialises, so it must be set
+# before anything imports grpc; an operator's own GRPC_EXPERIMENTS wins (set it to "" to compare).
 GRPC_EXPERIMENTS = (
     "-event_engine_listener,-event_engine_for_all_other_endpoints,-event_engine_callback_cq"
 )
@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     workers = _workers(args)
     if workers > 1 and args.worker_index == 0 and "--worker-index" not in sys.argv:
         return _supervise(args, workers)
+    from extproc.config.runtime import Overrides
     from extproc.serve.service import ServeOptions, serve_forever
 
     return serve_forever(
@@ -151,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
             grace_s=args.grace,
             workers=workers,
             worker_index=args.worker_index,
-            redis_url=args.redis_url or os.environ.get("FLEET_REDIS_URL") or None,
+            overrides=Overrides(
+                redis_url=args.redis_url or os.environ.get("FLEET_REDIS_URL") or None
+            ),
             envoy_cds_path=args.envoy_cds,
             seed=args.seed,
         )

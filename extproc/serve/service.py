@@ -22,7 +22,7 @@ import random
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry
 from extproc.config import ConfigError, Runtime, load_runtime
 from extproc.config.label_secret import LabelSecret, warn_if_per_process
 from extproc.config.load import runtime_from_bytes
-from extproc.config.runtime import scale_budgets, with_sketch
+from extproc.config.runtime import Overrides, scale_budgets, with_sketch
 from extproc.core.chains import ChainSketch
 from extproc.ledger.gate import AdmissionGate, build_gate
 from extproc.logs import setup_logging
@@ -47,6 +47,7 @@ from extproc.pipeline.fleet_state import FleetState, RedisSessions
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import FleetProcessor
 from extproc.redis_client import bounded_client
+from extproc.redis_health import RedisHealth
 from extproc.render.envoy_dynamic import write_cds, write_cds_union
 from extproc.serve.admin import AdminApp, start_admin
 
@@ -69,7 +70,9 @@ class ServeOptions:
     # gRPC port through SO_REUSEPORT on purpose.
     workers: int = 1
     worker_index: int = 0
-    redis_url: str | None = None
+    # Settings the command line / environment override (--redis-url, $FLEET_REDIS_URL),
+    # resolved once by `extproc serve` and compiled into every runtime, reloads included.
+    overrides: Overrides = field(default_factory=Overrides)
     envoy_cds_path: str | None = None
     # How long Envoy gets to apply a CDS file (watch, DNS, first health check) before the
     # processor relies on it.
@@ -103,14 +106,16 @@ class Service:
         self.holder = RuntimeHolder(self._local_view(runtime))
         self._config_bytes = raw_config
         rng = random.Random(opts.seed)
+        # One clock for everything that compares times: the gate, the pipeline's `now` and the
+        # Redis health tracker they share.
+        self.clock = time.monotonic
+        self.redis_health = RedisHealth()
         self.gate: AdmissionGate = build_gate(
-            self.holder.current, self.registry, time.monotonic, rng, opts.redis_url
+            self.holder.current, self.registry, self.clock, rng, health=self.redis_health
         )
-        # The processor's time base (the pipeline's `now`): explain previews on the same one.
-        self.clock = time.perf_counter
         self.health = health.aio.HealthServicer()
         self.endpoint_health: EndpointHealth | None = None
-        if runtime.config.processor.mode == "endpoint_picker":
+        if runtime.endpoint_picker:
             self.endpoint_health = EndpointHealth(runtime.endpoints, _health_paths(runtime))
         self.pipeline = Pipeline(
             self.holder,
@@ -130,20 +135,21 @@ class Service:
         """With several workers and no Redis, each worker enforces its share of every budget.
         Every runtime keys sessions through this process's chain sketch."""
         runtime = with_sketch(runtime, self.chains)
-        if self.opts.workers > 1 and not (self.opts.redis_url or runtime.config.redis.url):
-            return scale_budgets(runtime, 1 / self.opts.workers)
+        if self.opts.workers > 1 and not runtime.redis.url:
+            return scale_budgets(runtime, self.opts.workers)
         return runtime
 
     def _fleet_state(self, runtime: Runtime) -> FleetState:
         """Affinity state, with the shared session store when Redis is configured: attached
         now, whether or not affinity is on, so a reload that turns affinity on needs no
         restart (the client connects on first use)."""
-        redis = runtime.config.redis
-        url = self.opts.redis_url or redis.url
+        redis = runtime.redis
         shared = (
-            RedisSessions.from_url(url, redis.key_prefix, redis.timeout_ms / 1000) if url else None
+            RedisSessions.from_url(redis.url, redis.key_prefix, redis.timeout_s)
+            if redis.url
+            else None
         )
-        return FleetState(self.metrics, runtime.config.affinity.max_sessions, shared)
+        return FleetState(self.metrics, runtime.max_sessions, shared, self.redis_health)
 
     def _set_version(self, old: str | None, new: str) -> None:
         if old is not None:
@@ -153,9 +159,9 @@ class Service:
     # -- readiness / explain -----------------------------------------------------------------
     def readiness(self) -> tuple[bool, dict[str, object]]:
         mode = self.gate.mode
-        redis_configured = bool(self.opts.redis_url or self.holder.current.config.redis.url)
+        redis_configured = self.holder.current.redis.url is not None
         degraded = redis_configured and mode != "redis"
-        policy = self.holder.current.config.redis.on_unavailable
+        policy = self.holder.current.redis.on_unavailable
         # Degraded to local budgets is a known, configured state: still ready. With the
         # "closed" policy a replica without Redis can only reject, so it is not ready.
         ready = not self.draining and not (degraded and policy == "closed")
@@ -195,7 +201,7 @@ class Service:
         # file changes again, instead of logging the same errors every second.
         self._config_bytes = raw
         try:
-            fresh = runtime_from_bytes(raw, str(path))
+            fresh = runtime_from_bytes(raw, str(path), self.opts.overrides)
         except ConfigError as exc:
             self._reject(exc.problems)
             return False
@@ -210,7 +216,7 @@ class Service:
             # removed.
             write_cds_union(self.holder.current, fresh, cds)
             await asyncio.sleep(self.opts.cds_settle_s)
-        self.holder.current = self._local_view(fresh)
+        self.pipeline.use(self._local_view(fresh))
         self.gate.publish_limits(self.holder.current)
         if self.endpoint_health is not None:
             self.endpoint_health.update(fresh.endpoints, _health_paths(fresh))
@@ -299,12 +305,11 @@ class Service:
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         watchers = [asyncio.create_task(self._watch())]
-        redis_url = self.opts.redis_url or self.holder.current.config.redis.url
+        redis_cfg = self.holder.current.redis
         chain_redis = None
-        if redis_url:
+        if redis_cfg.url:
             watchers.append(asyncio.create_task(self._watch_redis()))
-            redis_cfg = self.holder.current.config.redis
-            chain_redis = bounded_client(redis_url, redis_cfg.timeout_ms / 1000, 2)
+            chain_redis = bounded_client(redis_cfg.url, redis_cfg.timeout_s, 2)
             sync = ChainSync(chain_redis, redis_cfg.key_prefix, self.chains)
             interval = self.holder.current.config.prefix.sync_interval_s
             watchers.append(asyncio.create_task(sync.run(interval)))
@@ -356,7 +361,7 @@ def _file_bytes(path: Path) -> bytes:
 async def serve(opts: ServeOptions) -> int:
     try:
         raw = _file_bytes(Path(opts.config_path))
-        runtime = load_runtime(opts.config_path)
+        runtime = load_runtime(opts.config_path, opts.overrides)
     except (ConfigError, OSError) as exc:
         print(str(exc), file=sys.stderr)
         return 2

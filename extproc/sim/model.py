@@ -46,7 +46,8 @@ class Profile:
 
 
 # Prefill is compute-bound and decode memory-bandwidth-bound, so the shapes trade one for the
-# other (DESIGN.md, problem 5). Immutable: a tuple of frozen dataclasses.
+# other (at fleet level, per-class eligible clusters express it). Immutable: a tuple of frozen
+# dataclasses.
 PROFILES: tuple[Profile, ...] = (
     Profile("balanced", 1.0, 1.0, 1.0),
     Profile("prefill-heavy", 1.5, 0.75, 0.7),

@@ -32,6 +32,7 @@ SERVING = {
     "metrics",
     "logs",
     "redis_client",
+    "redis_health",
     "loop_monitor",
     "healthcheck",
 }

@@ -1,4 +1,5 @@
-"""The rendered Envoy bootstrap: real Envoy accepts it; it carries what DESIGN.md verified."""
+"""The rendered Envoy bootstrap: real Envoy accepts it; it carries the settings ARCHITECTURE.md
+explains (each verified against Envoy 1.40)."""
 
 from __future__ import annotations
 
