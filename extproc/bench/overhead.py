@@ -22,6 +22,7 @@ import argparse
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -402,6 +403,8 @@ def run_bench(
     workers: list[int] | None = None,
     variants: list[str] | None = None,
     baseline: str | None = None,
+    setups_wanted: list[str] | None = None,
+    rounds: int = 1,
 ) -> list[WrkResult]:
     wrk = shutil.which("wrk")
     if not wrk:
@@ -412,10 +415,17 @@ def run_bench(
         bench = Bench(Path(tmp), duration, wrk, baseline_src)
         try:
             bench.start_upstream()
-            setups = list(SETUPS) + ([BASELINE_SETUP] if baseline_src else [])
+            setups = list(setups_wanted or SETUPS) + ([BASELINE_SETUP] if baseline_src else [])
             setups += [f"{WORKER_SETUP}{n}" for n in (workers or []) if n > 1]
             setups += [f"extproc+{v}" for v in (variants or [])]
-            for setup in setups:
+            # Several rounds in alternating order: a machine whose load drifts during the run
+            # then favours no set-up; the summary takes each figure's median over the rounds.
+            order = [
+                setup
+                for r in range(max(1, rounds))
+                for setup in (setups if r % 2 == 0 else reversed(setups))
+            ]
+            for setup in order:
                 front, processor = bench.start_setup(setup)
                 for size in sizes:
                     # Warm-up: connection pools, the processor's first streams, page cache.
@@ -491,8 +501,36 @@ def _against_extproc(
     return lines
 
 
+def medians(results: list[WrkResult]) -> list[WrkResult]:
+    """One result per (setup, size, connections): the median of each figure over the rounds."""
+    groups: dict[tuple[str, str, int], list[WrkResult]] = {}
+    for r in results:
+        groups.setdefault((r.setup, r.size, r.connections), []).append(r)
+
+    def mid(values: list[float]) -> float:
+        return statistics.median(values)
+
+    out: list[WrkResult] = []
+    for (setup, size, conns), rs in groups.items():
+        cpus = [r.proc_cpu_us_per_req for r in rs if r.proc_cpu_us_per_req is not None]
+        out.append(
+            WrkResult(
+                setup,
+                size,
+                conns,
+                sum(r.requests for r in rs),
+                mid([r.rps for r in rs]),
+                mid([r.p50_ms for r in rs]),
+                mid([r.p99_ms for r in rs]),
+                sum(r.errors for r in rs),
+                mid(cpus) if cpus else None,
+            )
+        )
+    return out
+
+
 def summarize(results: list[WrkResult]) -> list[str]:
-    by = {(r.setup, r.size, r.connections): r for r in results}
+    by = {(r.setup, r.size, r.connections): r for r in medians(results)}
     lines = [
         "| body | conns | p50 / p99 ms: Envoy alone | + bare | + extproc "
         "| added p50 ms (extproc - Envoy) | rps: Envoy / bare / extproc | extproc / Envoy rps "
@@ -573,6 +611,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="also run the processor as of this git revision (e.g. the commit before a change)",
     )
+    parser.add_argument(
+        "--setups",
+        default=",".join(SETUPS),
+        help=f"which of {','.join(SETUPS)} to run (the summary tables need all three)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="repeat every set-up, alternating the order"
+    )
     parser.add_argument("--json-out", default="out/bench/overhead.json")
 
 
@@ -589,7 +635,21 @@ def run(args: argparse.Namespace) -> int:
     if unknown_variants:
         print(f"unknown variants {unknown_variants}; choose from {list(VARIANTS)}", file=sys.stderr)
         return 2
-    results = run_bench(args.duration, sizes, conns, args.warmup, workers, variants, args.baseline)
+    setups = [s for s in args.setups.split(",") if s]
+    if any(s not in SETUPS for s in setups):
+        print(f"unknown set-ups {setups}; choose from {list(SETUPS)}", file=sys.stderr)
+        return 2
+    results = run_bench(
+        args.duration,
+        sizes,
+        conns,
+        args.warmup,
+        workers,
+        variants,
+        args.baseline,
+        setups,
+        args.rounds,
+    )
     print("\n".join(summarize(results)))
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
