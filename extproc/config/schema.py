@@ -132,7 +132,7 @@ class BudgetConfig(Strict):
 
     max_inflight_tokens: int = Field(default=0, ge=0)
     max_concurrent: int = Field(default=0, ge=0)
-    tokens_per_second: float = Field(default=0.0, ge=0)
+    tokens_per_second: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     burst_tokens: int = Field(default=0, ge=0)
 
 

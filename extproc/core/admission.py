@@ -54,6 +54,49 @@ RETRY_JITTER = 0.5
 _MIN_OBSERVATION_S = 1.0
 
 
+def bounded_wait(wait: float) -> float:
+    """A wait clamped to [0, MAX_RETRY_AFTER_S], total over every float.
+
+    A decayed rate can be denormal (a compartment idle for ~2 hours: exp(-7000/tau) is about
+    1e-305), and a deficit divided by it is inf; a NaN from a broken ledger reply would pass
+    every comparison. ``math.ceil`` raises on both, which would fail the stream. inf is a wait
+    longer than any hint, NaN an unknown one (the shortest probe, like no signal at all).
+    """
+    if math.isnan(wait):
+        return NO_SIGNAL_WAIT_S
+    return min(float(MAX_RETRY_AFTER_S), max(0.0, wait))
+
+
+def _whole_seconds(wait: float) -> int:
+    """A wait as whole seconds in [1, MAX_RETRY_AFTER_S]."""
+    return min(MAX_RETRY_AFTER_S, max(1, math.ceil(bounded_wait(wait))))
+
+
+# The bucket's window (time to refill a full burst) is information, not a hint: not capped at
+# MAX_RETRY_AFTER_S, only kept a finite sf-integer (RFC 8941 allows 15 digits).
+_MAX_WINDOW_S = 10**15 - 1
+
+
+def seconds_for(amount: float, per_second: float) -> float:
+    """``amount / per_second``, inf when the rate is 0 (a denormal rate split between
+    replicas underflows to 0.0, and float division by it would raise)."""
+    return amount / per_second if per_second > 0 else math.inf
+
+
+def _window_seconds(burst_tokens: int, tokens_per_second: float) -> int:
+    window = seconds_for(burst_tokens, tokens_per_second)
+    if math.isnan(window) or window >= _MAX_WINDOW_S:
+        return _MAX_WINDOW_S
+    return max(1, math.ceil(window))
+
+
+def _floor_count(value: float) -> int:
+    """A non-negative token count reported by a ledger, floored (NaN counts as empty)."""
+    if math.isnan(value) or value <= 0:
+        return 0
+    return math.floor(min(value, float(2**62)))
+
+
 class Reason(StrEnum):
     INFLIGHT_TOKENS = "inflight_tokens"
     CONCURRENCY = "concurrency"
@@ -68,7 +111,8 @@ def effective_burst(budget: Budget) -> int:
     """Token-bucket capacity: the configured burst, or one second of refill when it is 0."""
     if not budget.tokens_per_second:
         return 0
-    return budget.burst_tokens or max(1, math.ceil(budget.tokens_per_second))
+    # Capped so an absurd (or infinite) rate still gives an integer a ledger can store.
+    return budget.burst_tokens or max(1, math.ceil(min(budget.tokens_per_second, 2.0**53)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +327,7 @@ def _token_remaining(limits: Limits, usage: Usage) -> int | None:
     if limits.max_inflight_tokens:
         left.append(max(0, limits.max_inflight_tokens - usage.inflight_tokens))
     if limits.burst_tokens:
-        left.append(max(0, math.floor(usage.bucket_tokens)))
+        left.append(_floor_count(usage.bucket_tokens))
     return min(left) if left else None
 
 
@@ -295,7 +339,7 @@ def _quotas(demand: Demand, usage: Usage | None, waits: dict[Reason, float]) -> 
     def reset(reason: Reason) -> int | None:
         if reason not in waits:
             return None
-        return min(MAX_RETRY_AFTER_S, max(1, math.ceil(waits[reason])))
+        return _whole_seconds(waits[reason])
 
     caps = (
         (
@@ -325,12 +369,17 @@ def _quotas(demand: Demand, usage: Usage | None, waits: dict[Reason, float]) -> 
                 f"{name}-rate",
                 lim.burst_tokens,
                 "tokens",
-                max(0, math.floor(level)),
-                window_s=max(1, math.ceil(lim.burst_tokens / lim.tokens_per_second)),
+                _floor_count(level),
+                window_s=_window_seconds(lim.burst_tokens, lim.tokens_per_second),
                 reset_s=reset(Reason.TOKEN_RATE),
             )
         )
     return tuple(out)
+
+
+def _observed_wait(missing: float, completion_rate: float) -> float:
+    """Time for ``missing`` units to complete at the observed rate (no signal: a short probe)."""
+    return seconds_for(missing, completion_rate) if completion_rate > 0 else NO_SIGNAL_WAIT_S
 
 
 def _waits(demand: Demand, answer: LedgerAnswer) -> dict[Reason, float]:
@@ -340,12 +389,12 @@ def _waits(demand: Demand, answer: LedgerAnswer) -> dict[Reason, float]:
     waits: dict[Reason, float] = {}
     if lim.max_inflight_tokens and usage.inflight_tokens + need > lim.max_inflight_tokens:
         deficit = usage.inflight_tokens + need - lim.max_inflight_tokens
-        waits[Reason.INFLIGHT_TOKENS] = deficit / tok_rate if tok_rate > 0 else NO_SIGNAL_WAIT_S
+        waits[Reason.INFLIGHT_TOKENS] = _observed_wait(deficit, tok_rate)
     if lim.max_concurrent and usage.concurrent + 1 > lim.max_concurrent:
         missing = usage.concurrent + 1 - lim.max_concurrent
-        waits[Reason.CONCURRENCY] = missing / req_rate if req_rate > 0 else NO_SIGNAL_WAIT_S
+        waits[Reason.CONCURRENCY] = _observed_wait(missing, req_rate)
     if lim.burst_tokens and usage.bucket_tokens < need:
-        waits[Reason.TOKEN_RATE] = (need - usage.bucket_tokens) / lim.tokens_per_second
+        waits[Reason.TOKEN_RATE] = seconds_for(need - usage.bucket_tokens, lim.tokens_per_second)
     return waits
 
 
@@ -353,6 +402,7 @@ def jittered_seconds(wait: float, rng: Random) -> int:
     """Whole seconds for Retry-After: the wait plus seeded jitter, in [1, MAX_RETRY_AFTER_S]."""
     # Whole seconds of jitter, at least one: Retry-After has one-second granularity, so a
     # fractional spread would round every client of a short wait to the same value.
+    wait = bounded_wait(wait)
     spread = math.ceil(max(1.0, wait * RETRY_JITTER))
     return min(MAX_RETRY_AFTER_S, max(1, math.ceil(wait) + rng.randint(0, spread)))
 
@@ -398,7 +448,7 @@ def verdict(demand: Demand, answer: LedgerAnswer, rng: Random) -> Admitted | Rej
         retry_after_s=retry_after,
         limit_tokens=_token_limit(demand.limits),
         remaining_tokens=_token_remaining(demand.limits, answer.usage),
-        reset_s=min(float(MAX_RETRY_AFTER_S), max(token_waits)) if token_waits else None,
+        reset_s=bounded_wait(max(token_waits)) if token_waits else None,
         quotas=_quotas(demand, answer.usage, waits),
     )
 
