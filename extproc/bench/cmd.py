@@ -9,6 +9,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "overhead": ("extproc.bench.overhead", "Envoy alone vs + bare processor vs + extproc"),
     "routing": ("extproc.bench.routing", "round robin vs ring hash vs extproc on one workload"),
     "admission": ("extproc.bench.admission", "admission decision cost, memory vs Redis ledger"),
+    "renewal": ("extproc.bench.renewal", "lease renewal at scale: chunked vs one script"),
     "deps": ("extproc.bench.deps", "the dependency choices: protobuf libraries, aioredis"),
     "skew": ("extproc.bench.skew", "hot prefixes + a slow cluster: pure hashing vs load-aware"),
     "layouts": ("extproc.bench.layouts", "a shared opening in each position: old vs chain key"),

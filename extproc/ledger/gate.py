@@ -12,10 +12,18 @@
 The gate owns the policy for an unreachable Redis: ``local`` admits against this replica's
 share of each budget (budget / replicas) in memory, ``closed`` rejects with 503. Every Redis
 call is bounded by ``redis.timeout_ms``; after a failure the gate stays local for
-``probe_interval_s`` and then tries Redis again (admissions or the renewal tick), so it goes
-back to the shared budget as soon as Redis answers. Reservations taken locally are released
-locally. While both kinds are held (just after Redis comes back) a compartment can briefly
-exceed its budget by what the local shares admitted.
+``probe_interval_s`` and then tries Redis again (admissions or the background tick), so it
+goes back to the shared budget as soon as Redis answers. Reservations taken locally are
+released locally. While both kinds are held (just after Redis comes back) a compartment can
+briefly exceed its budget by what the local shares admitted (RELIABILITY.md states and
+measures the bound).
+
+No phantoms: a reserve's lease id is chosen before the call. When the call times out, fails
+or its caller is cancelled, the gate does not know whether Redis ran it (a timed-out call can
+still be sitting in Redis's input buffer), so it cancels that lease id: released if Redis had
+reserved it, refused in advance otherwise (extproc/ledger/release.lua). A cancel Redis does
+not answer is kept and retried every probe interval until Redis acknowledges it; the lease
+lapses with its TTL in any case, since nobody renews it.
 """
 
 from __future__ import annotations
@@ -54,6 +62,10 @@ from extproc.redis_health import RedisHealth
 log = logging.getLogger("extproc.ledger")
 
 OnUnavailable = Literal["local", "closed"]
+
+# Cancels and releases kept for retry while Redis does not answer; beyond this the leases
+# are left to lapse with their TTL (memory stays bounded through a long outage).
+MAX_UNSETTLED = 100_000
 
 # Rejections by reason are counted, not logged; what is logged (Redis trouble) is throttled
 # so an outage under load writes a few lines, not one per request.
@@ -117,6 +129,10 @@ class AdmissionGate:
         self._health = health or RedisHealth(probe_interval_s)
         self._health.subscribe(self._health_changed)
         self._held: dict[str, Ticket] = {}
+        # lease -> (cluster, class): reserves to cancel, releases to deliver, once Redis answers.
+        self._unsettled: dict[str, tuple[str, str]] = {}
+        self._settling: set[str] = set()
+        self._last_renew: float = clock()
         self._limits_seen: dict[tuple[str, str], Limits] = {}
         self._series_cache: dict[tuple[str, str, str], _Series] = {}
         self._renewer: asyncio.Task[None] | None = None
@@ -214,21 +230,78 @@ class AdmissionGate:
 
     async def _reserve_shared(self, shared: RedisLedger, demand: Demand) -> LedgerAnswer | None:
         started = self._clock()
+        lease = shared.new_lease()
         try:
-            answer = await shared.reserve(demand)
+            answer = await shared.reserve(demand, lease)
         except LedgerUnavailable as exc:
+            self._settle(shared, demand.cluster, demand.class_name, lease)
             self._redis_failed("reserve", exc)
             return None
+        except asyncio.CancelledError:
+            # The stream went away mid-call; Redis may still run (or have run) the reserve.
+            self._settle(shared, demand.cluster, demand.class_name, lease)
+            raise
         except Exception as exc:
             # Not a connectivity problem (e.g. a reply this code cannot parse): still never
             # a crashed stream. Treated like an outage, with the traceback in the log.
             log.exception("redis ledger reserve failed unexpectedly")
+            self._settle(shared, demand.cluster, demand.class_name, lease)
             self._redis_failed("reserve", exc)
             return None
         finally:
             self._m.redis_seconds.labels("reserve").observe(self._clock() - started)
         self._redis_ok()
         return answer
+
+    # -- reconciliation ---------------------------------------------------------------------
+
+    @property
+    def unsettled(self) -> int:
+        """Cancels and releases still waiting for Redis to acknowledge them."""
+        return len(self._unsettled)
+
+    def _settle(self, shared: RedisLedger, cluster: str, class_name: str, lease: str) -> None:
+        """Cancel ``lease`` in the background: now, and again every probe interval until Redis
+        answers (shielded from the caller's cancellation, which may be what got us here)."""
+        self._keep_unsettled(lease, cluster, class_name)
+        task = asyncio.ensure_future(self._flush_unsettled(shared, [lease]))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _keep_unsettled(self, lease: str, cluster: str, class_name: str) -> None:
+        if len(self._unsettled) < MAX_UNSETTLED:
+            self._unsettled[lease] = (cluster, class_name)
+            self._m.unsettled.set(len(self._unsettled))
+
+    async def _flush_unsettled(self, shared: RedisLedger, only: list[str] | None = None) -> None:
+        leases = [
+            lease
+            for lease in (only or list(self._unsettled))
+            if lease in self._unsettled and lease not in self._settling
+        ]
+        if not leases:
+            return
+        self._settling.update(leases)
+        batch = [(*self._unsettled[lease], lease) for lease in leases]
+        started = self._clock()
+        try:
+            removed = await shared.cancel_many(batch)
+        except LedgerUnavailable as exc:
+            self._redis_failed("cancel", exc)
+            return
+        except Exception:
+            # Runs in the background with no one awaiting it: handle everything here.
+            log.exception("ledger reconciliation failed")
+            return
+        finally:
+            self._settling.difference_update(leases)
+            self._m.redis_seconds.labels("cancel").observe(self._clock() - started)
+        for lease in leases:
+            self._unsettled.pop(lease, None)
+        self._m.unsettled.set(len(self._unsettled))
+        self._m.reconciled.labels("phantom_removed").inc(removed)
+        self._m.reconciled.labels("not_reserved").inc(len(leases) - removed)
+        self._redis_ok()
 
     def _count_reject(self, reject: Reject) -> None:
         result = {413: "too_large", 503: "unavailable"}.get(reject.status, "rejected")
@@ -293,8 +366,10 @@ class AdmissionGate:
         try:
             await shared.release(ticket)
         except LedgerUnavailable as exc:
-            # The lease is no longer renewed, so Redis frees it within the lease TTL.
+            # Retried with the reconciliation; in any case the lease is no longer renewed,
+            # so Redis frees it within the lease TTL.
             self._m.release_errors.inc()
+            self._keep_unsettled(ticket.lease, ticket.cluster, ticket.class_name)
             self._redis_failed("release", exc)
             return
         except Exception:
@@ -351,7 +426,8 @@ class AdmissionGate:
     # -- lease renewal ----------------------------------------------------------------------
 
     async def renew_once(self) -> None:
-        """One renewal tick: extend every Redis lease this replica holds, in one round trip.
+        """One renewal: extend every Redis lease this replica holds (pipelined, chunked per
+        compartment, see RedisLedger.renew).
 
         With nothing to renew while Redis is marked down, it pings instead, so the gate
         returns to Redis even without traffic.
@@ -359,6 +435,7 @@ class AdmissionGate:
         shared = self._shared
         if shared is None:
             return
+        self._last_renew = self._clock()
         tickets = [t for t in self._held.values() if t.store == shared.store]
         started = self._clock()
         try:
@@ -378,11 +455,25 @@ class AdmissionGate:
             return
         self._redis_ok()
 
+    async def tick(self) -> None:
+        """The background step: renew when a renewal period has passed, probe a down Redis
+        when its probe interval has, and retry unsettled cancels and releases."""
+        shared = self._shared
+        if shared is None:
+            return
+        if self._clock() - self._last_renew >= self._renew_interval_s:
+            await self.renew_once()
+        elif self._down_until is not None and self._redis_due() and not self._unsettled:
+            await self.check_redis()
+        if self._unsettled and self._redis_due():
+            await self._flush_unsettled(shared)
+
     async def _renew_loop(self) -> None:
+        interval = min(self._renew_interval_s, self._probe_interval_s)
         while True:
-            await asyncio.sleep(self._renew_interval_s)
+            await asyncio.sleep(interval)
             try:
-                await self.renew_once()
+                await self.tick()
             except Exception:
                 # A bug here must not stop renewal for good: leases would lapse under
                 # long requests. Log it and try again next tick.

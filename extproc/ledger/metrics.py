@@ -81,6 +81,20 @@ class LedgerMetrics:
             "Leases the Redis ledger no longer had at renewal (expired or lost with Redis).",
             registry=registry,
         )
+        self.reconciled = Counter(
+            "fleet_ledger_reconciled",
+            "Redis reserves whose caller gave up (timeout, cancellation) and that were then "
+            "cancelled, by what Redis had: phantom_removed (the reserve had run) or "
+            "not_reserved (refused in advance by a tombstone).",
+            ["result"],
+            registry=registry,
+        )
+        self.unsettled = Gauge(
+            "fleet_ledger_unsettled",
+            "Cancels and releases waiting for Redis to answer (retried every probe interval; "
+            "each also lapses with its lease TTL).",
+            registry=registry,
+        )
         self.leases_held = Gauge(
             "fleet_ledger_leases_held",
             "Reservations this replica holds, by ledger.",

@@ -1,10 +1,16 @@
 """The Redis ledger: one budget shared by every gateway replica.
 
 One round trip per admission (``EVALSHA reserve.lua``), one per release (``EVALSHA
-release.lua``) and one per renewal tick for all the leases of a replica (``EVALSHA
-renew.lua``). Reservations are leases with a TTL that the holder renews, so a replica killed
-with SIGKILL leaks nothing for longer than the TTL: the next reservation on the same
-compartment reaps expired leases before it checks the budget.
+release.lua``) and, per renewal tick, one pipeline of ``EVALSHA renew.lua`` calls of at most
+``RENEW_CHUNK`` leases of one compartment each (several pipelines of ``RENEW_BATCH`` leases at
+most for a replica holding more). Reservations are leases with a TTL that the holder renews,
+so a replica killed with SIGKILL leaks nothing for longer than the TTL: the next reservation
+on the same compartment reaps expired leases before it checks the budget.
+
+The lease id is chosen before the reserve is sent (:meth:`RedisLedger.new_lease`), so a
+caller that gave up on a reserve (timeout, cancellation) still knows what Redis may have
+reserved and cancels it (:meth:`RedisLedger.cancel`): a release that, for an id Redis has not
+seen yet, leaves a tombstone that refuses the late reserve.
 
 Key layout (``P`` = ``redis.key_prefix``, default ``fleet``; one compartment per cluster and
 request class, its three keys sharing one hash tag ``{cluster:class}``)::
@@ -23,9 +29,10 @@ request class, its three keys sharing one hash tag ``{cluster:class}``)::
 Lease ids are ``<replica id>:<sequence>``; the replica id is random per process. Times come
 from the Redis server clock (``TIME`` inside the scripts), never from a replica's. All three
 keys of a compartment expire together after an idle period longer than the lease TTL, so
-compartments of removed classes or clusters clean themselves up. The renewal script touches
-several compartments in one call, so this layout targets a single Redis (or a primary with
-replicas), not Redis Cluster.
+compartments of removed classes or clusters clean themselves up. Every script call touches the
+keys of one compartment only, all in the hash slot of ``{cluster:class}``, so the same layout
+runs on a single Redis, a primary with replicas, or Redis Cluster (``redis+cluster://`` URLs,
+see extproc.redis_client).
 
 Every call is bounded by ``redis.timeout_ms`` and redis-py's own retries are disabled: a
 retried reserve could wait several timeouts, and the policy for an unreachable Redis belongs
@@ -43,8 +50,7 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from extproc.core.admission import (
     RELEASE_RATE_TAU_S,
@@ -56,10 +62,16 @@ from extproc.core.admission import (
     Usage,
 )
 from extproc.ledger.base import LedgerUnavailable
-from extproc.redis_client import bounded_client
+from extproc.redis_client import AnyRedis, any_client
 
 # An idle compartment is dropped after this long (and never sooner than a few lease TTLs).
 IDLE_TTL_S = 3600.0
+# Leases per renew.lua call: Redis runs one script at a time, so this bounds how long one
+# renewal call holds every other client back (~1 ms on a laptop; BENCHMARKS.md "Lease renewal").
+RENEW_CHUNK = 1000
+# Leases per renewal round trip (one pipeline); a replica holding more sends several, each
+# bounded by the Redis timeout on its own.
+RENEW_BATCH = 10_000
 
 
 def _script(name: str) -> str:
@@ -84,7 +96,7 @@ class RedisLedger:
 
     def __init__(
         self,
-        client: Redis,
+        client: AnyRedis,
         *,
         prefix: str = "fleet",
         lease_ttl_s: float = 30.0,
@@ -114,7 +126,7 @@ class RedisLedger:
         max_connections: int = 16,
     ) -> RedisLedger:
         """A ledger with its own bounded connection pool (see extproc.redis_client)."""
-        client = bounded_client(url, timeout_s, max_connections)
+        client = any_client(url, timeout_s, max_connections)
         return cls(
             client,
             prefix=prefix,
@@ -161,8 +173,17 @@ class RedisLedger:
             1 if peek else 0,
         ]
 
-    async def reserve(self, demand: Demand) -> LedgerAnswer:
-        lease = f"{self.replica_id}:{next(self._ids)}"
+    def new_lease(self) -> str:
+        """A lease id no other call of any replica uses (replica id, sequence)."""
+        return f"{self.replica_id}:{next(self._ids)}"
+
+    async def reserve(self, demand: Demand, lease: str | None = None) -> LedgerAnswer:
+        """Reserve under ``lease`` (from :meth:`new_lease`; a fresh one when omitted).
+
+        Resending the same lease id never reserves twice; after :meth:`cancel` of that id it
+        is refused.
+        """
+        lease = lease or self.new_lease()
         keys = compartment_keys(self.prefix, demand.cluster, demand.class_name)
         raw = await self._bounded(
             "reserve",
@@ -173,24 +194,90 @@ class RedisLedger:
 
     async def release(self, ticket: Ticket) -> bool:
         keys = compartment_keys(self.prefix, ticket.cluster, ticket.class_name)
-        args: list[str | int] = [ticket.lease, repr(RELEASE_RATE_TAU_S), self._idle_ttl_ms]
+        args = self._release_args(ticket.lease, 0.0)
         raw = await self._bounded("release", self._release(keys=keys, args=args))
         return int(raw) == 1
 
+    def _release_args(self, lease: str, cancel_ttl_s: float) -> list[str | int]:
+        return [lease, repr(RELEASE_RATE_TAU_S), self._idle_ttl_ms, repr(float(cancel_ttl_s))]
+
+    async def cancel(self, cluster: str, class_name: str, lease: str) -> bool:
+        """Settle a reserve whose outcome the caller never saw: release ``lease`` if Redis
+        holds it, otherwise make sure a reserve of it that arrives later is refused.
+
+        Idempotent. True when the lease was held (the reserve had run: a phantom removed).
+        """
+        keys = compartment_keys(self.prefix, cluster, class_name)
+        args = self._release_args(lease, self.lease_ttl_s)
+        raw = await self._bounded("cancel", self._release(keys=keys, args=args))
+        return int(raw) == 1
+
+    async def cancel_many(self, leases: Sequence[tuple[str, str, str]]) -> int:
+        """:meth:`cancel` for many (cluster, class, lease) at once: pipelined round trips of
+        at most RENEW_CHUNK calls. Returns how many were held (phantoms removed)."""
+        removed = 0
+        for i in range(0, len(leases), RENEW_CHUNK):
+            calls = []
+            for cluster, class_name, lease in leases[i : i + RENEW_CHUNK]:
+                keys = compartment_keys(self.prefix, cluster, class_name)
+                calls.append((keys, self._release_args(lease, self.lease_ttl_s)))
+            raw = await self._pipelined("cancel", self._release.sha, calls)
+            removed += sum(1 for x in raw if int(x) == 1)
+        return removed
+
+    async def _pipelined(
+        self, what: str, sha: str, calls: Sequence[tuple[Sequence[str], Sequence[str | int]]]
+    ) -> list[Any]:
+        """EVALSHA ``sha`` once per (keys, args), in one pipelined round trip; once more
+        after loading the scripts when the server's script cache is empty (a restarted or
+        newly promoted Redis)."""
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args in calls:
+                pipe.evalsha(sha, len(keys), *keys, *args)
+            try:
+                result: list[Any] = await self._bounded(what, pipe.execute())
+                return result
+            except LedgerUnavailable as exc:
+                if attempt or not isinstance(exc.__cause__, NoScriptError):
+                    raise
+                await self.load()
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
     async def renew(self, tickets: Sequence[Ticket]) -> list[str]:
-        if not tickets:
-            return []
+        """Extend ``tickets``' leases; returns the ids Redis no longer had.
+
+        Chunked per compartment (RENEW_CHUNK leases per script call) and batched (RENEW_BATCH
+        leases per pipelined round trip, each under the Redis timeout on its own).
+        """
         groups: dict[tuple[str, str], list[str]] = {}
         for t in tickets:
             groups.setdefault((t.cluster, t.class_name), []).append(t.lease)
-        keys: list[str] = []
-        args: list[str | int] = [repr(float(self.lease_ttl_s)), self._idle_ttl_ms]
+        calls: list[tuple[tuple[str, str, str], list[str]]] = []
         for (cluster, class_name), leases in groups.items():
-            keys.extend(compartment_keys(self.prefix, cluster, class_name))
-            args.append(len(leases))
-            args.extend(leases)
-        raw = await self._bounded("renew", self._renew(keys=keys, args=args))
-        return [_text(x) for x in raw]
+            keys = compartment_keys(self.prefix, cluster, class_name)
+            for i in range(0, len(leases), RENEW_CHUNK):
+                calls.append((keys, leases[i : i + RENEW_CHUNK]))
+        lost: list[str] = []
+        batch: list[tuple[tuple[str, str, str], list[str]]] = []
+        size = 0
+        for call in calls:
+            batch.append(call)
+            size += len(call[1])
+            if size >= RENEW_BATCH:
+                lost.extend(await self._renew_batch(batch))
+                batch, size = [], 0
+        if batch:
+            lost.extend(await self._renew_batch(batch))
+        return lost
+
+    async def _renew_batch(
+        self, batch: Sequence[tuple[tuple[str, str, str], list[str]]]
+    ) -> list[str]:
+        head: list[str | int] = [repr(float(self.lease_ttl_s)), self._idle_ttl_ms]
+        calls = [(keys, [*head, *leases]) for keys, leases in batch]
+        raw = await self._pipelined("renew", self._renew.sha, calls)
+        return [_text(x) for reply in raw for x in reply]
 
     async def usage(self, cluster: str, class_name: str, limits: Limits) -> LedgerAnswer:
         keys = compartment_keys(self.prefix, cluster, class_name)

@@ -2,24 +2,38 @@
 -- release-rate estimate. Idempotent: an unknown lease (already released, or expired and
 -- reaped) changes nothing.
 --
+-- With cancel_ttl_s > 0 this is also the reconciliation of a reserve whose caller gave up
+-- (timed out or cancelled) without knowing whether Redis ran it: an unknown lease then leaves
+-- a tombstone (tokens -1, expiring like a lease), so a reserve of that id that Redis runs
+-- later (it was still queued on the dropped connection) is refused instead of becoming a
+-- reservation nobody owns.
+--
 -- KEYS[1] state hash   KEYS[2] lease expiry zset   KEYS[3] lease tokens hash
--- ARGV: lease_id, rate_tau_s, idle_ttl_ms
+-- ARGV: lease_id, rate_tau_s, idle_ttl_ms, cancel_ttl_s (0: a plain release)
 -- Returns 1 when the lease was held, 0 otherwise.
 local state, leases, lease_tokens = KEYS[1], KEYS[2], KEYS[3]
 local lease_id = ARGV[1]
 local tau = tonumber(ARGV[2])
 local idle_ttl_ms = tonumber(ARGV[3])
-
-local held = redis.call('HGET', lease_tokens, lease_id)
-if not held then
-  return 0
-end
-local tokens = tonumber(held)
-redis.call('HDEL', lease_tokens, lease_id)
-redis.call('ZREM', leases, lease_id)
+local cancel_ttl = tonumber(ARGV[4]) or 0
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+
+local held = redis.call('HGET', lease_tokens, lease_id)
+local tokens = held and tonumber(held) or -1
+if tokens < 0 then
+  if not held and cancel_ttl > 0 then
+    redis.call('HSET', lease_tokens, lease_id, -1)
+    redis.call('ZADD', leases, now + cancel_ttl, lease_id)
+    redis.call('PEXPIRE', leases, idle_ttl_ms)
+    redis.call('PEXPIRE', lease_tokens, idle_ttl_ms)
+  end
+  return 0
+end
+redis.call('HDEL', lease_tokens, lease_id)
+redis.call('ZREM', leases, lease_id)
+
 local s = redis.call('HMGET', state, 'tokens', 'count', 'rel_n', 'rel_tokens', 'rel_at',
   'rel_since')
 local inflight = math.max(0, (tonumber(s[1]) or 0) - tokens)

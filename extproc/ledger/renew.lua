@@ -1,30 +1,36 @@
--- Extend every lease one replica holds, in one call per renewal tick.
+-- Extend a chunk of one replica's leases in one (cluster, class) compartment.
 --
--- KEYS: three per compartment, in order: state hash, lease expiry zset, lease tokens hash
--- ARGV[1] lease_ttl_s, ARGV[2] idle_ttl_ms, then per compartment: n, lease_id_1 .. lease_id_n
+-- One compartment per call keeps every key in one hash slot (Redis Cluster), and the caller
+-- bounds the chunk (extproc.ledger.redis.RENEW_CHUNK) so no call blocks Redis for long: two
+-- variadic commands in C (ZMSCORE, ZADD XX) instead of a Lua loop of commands.
+--
+-- KEYS[1] state hash   KEYS[2] lease expiry zset   KEYS[3] lease tokens hash
+-- ARGV[1] lease_ttl_s, ARGV[2] idle_ttl_ms, ARGV[3..] lease ids
 -- Returns the lease ids that were no longer held (reaped after expiring, or lost with a Redis
 -- restart): their requests now run unaccounted, which the caller counts.
+local state, leases, lease_tokens = KEYS[1], KEYS[2], KEYS[3]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local expiry = now + tonumber(ARGV[1])
 local idle_ttl_ms = tonumber(ARGV[2])
 local lost = {}
-local a = 3
-for k = 1, #KEYS, 3 do
-  local leases = KEYS[k + 1]
-  local n = tonumber(ARGV[a])
-  a = a + 1
-  for _ = 1, n do
-    local lease_id = ARGV[a]
-    a = a + 1
-    if redis.call('ZSCORE', leases, lease_id) then
-      redis.call('ZADD', leases, 'XX', expiry, lease_id)
+local update = {}
+if #ARGV >= 3 then
+  local scores = redis.call('ZMSCORE', leases, unpack(ARGV, 3, #ARGV))
+  for i = 1, #scores do
+    local lease_id = ARGV[i + 2]
+    if scores[i] then
+      update[#update + 1] = expiry
+      update[#update + 1] = lease_id
     else
       lost[#lost + 1] = lease_id
     end
   end
-  redis.call('PEXPIRE', KEYS[k], idle_ttl_ms)
-  redis.call('PEXPIRE', leases, idle_ttl_ms)
-  redis.call('PEXPIRE', KEYS[k + 2], idle_ttl_ms)
 end
+if #update > 0 then
+  redis.call('ZADD', leases, 'XX', unpack(update))
+end
+redis.call('PEXPIRE', state, idle_ttl_ms)
+redis.call('PEXPIRE', leases, idle_ttl_ms)
+redis.call('PEXPIRE', lease_tokens, idle_ttl_ms)
 return lost

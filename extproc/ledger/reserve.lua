@@ -31,7 +31,8 @@ local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now, 'LIMIT', 0, 512
 if #expired > 0 then
   local held = redis.call('HMGET', lease_tokens, unpack(expired))
   for i = 1, #expired do
-    if held[i] then
+    -- Tombstones of cancelled reserves (tokens -1) held nothing.
+    if held[i] and tonumber(held[i]) >= 0 then
       inflight = inflight - tonumber(held[i])
       count = count - 1
     end
@@ -54,7 +55,12 @@ end
 
 local granted = 0
 if not peek then
-  if redis.call('HEXISTS', lease_tokens, lease_id) == 1 then
+  local prior = tonumber(redis.call('HGET', lease_tokens, lease_id))
+  if prior and prior < 0 then
+    -- Its caller gave up and already cancelled it (release.lua): this call arrived late,
+    -- queued behind a stall. Refuse, so nobody holds a reservation no one will release.
+    granted = 0
+  elseif prior then
     -- A retried call whose first attempt did reserve: answer the same, charge nothing twice.
     granted = 1
   elseif (max_tokens == 0 or inflight + need <= max_tokens)

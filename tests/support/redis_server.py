@@ -93,6 +93,9 @@ class RedisServer:
             str(self.log_path),
             "--daemonize",
             "no",
+            # DEBUG SLEEP is how fault tests make Redis busy (off by default since Redis 7).
+            "--enable-debug-command",
+            "local",
             *self.extra_args,
         ]
 

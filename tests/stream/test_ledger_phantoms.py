@@ -1,0 +1,211 @@
+"""No phantom reservations: a reserve whose caller gave up (timeout, cancellation) is settled
+against a real redis-server long before its lease TTL, whatever Redis did with it.
+
+Each stall sends the reserve into a Redis that cannot answer within the 50 ms timeout but
+will run (or drop) the queued command later: ``DEBUG SLEEP`` (Redis busy), ``CLIENT PAUSE``
+(Redis holding clients back) and SIGSTOP (a hung process). The lease TTL here is 30 s; before
+reconciliation such a reserve held budget for the whole TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from extproc.core.admission import Admitted, Demand, Limits
+from extproc.core.decide import Route
+from extproc.core.facts import RequestFacts
+from extproc.core.fleet import Budget
+from extproc.ledger.gate import AdmissionGate
+from extproc.ledger.redis import RedisLedger, compartment_keys
+from tests.stream.test_ledger_redis import compartment, gate_for, request, runtime, sample
+from tests.support.redis_server import RedisServer
+
+LEASE_TTL_S = 30.0
+# Settling must take a small fraction of the lease TTL (it takes one probe interval after
+# Redis answers again; this bound only absorbs a slow CI machine).
+SETTLE_WITHIN_S = 10.0
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as srv:
+        yield srv
+
+
+def stall(server: RedisServer, how: str, seconds: float) -> Callable[[], None]:
+    """Make Redis unable to answer for ``seconds``; returns a join() that waits for the end."""
+    if how == "sigstop":
+        server.pause()
+        timer = threading.Timer(seconds, server.resume)
+        timer.start()
+        return timer.join
+    client = redis.Redis.from_url(server.url, socket_timeout=seconds + 10)
+    client.ping()
+    if how == "client-pause":
+        client.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
+        client.close()
+        return lambda: time.sleep(seconds)
+    assert how == "debug-sleep"
+    errors: list[Exception] = []
+
+    def sleep() -> None:
+        try:
+            client.execute_command("DEBUG", "SLEEP", seconds)
+        except redis.RedisError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=sleep)
+    thread.start()
+    deadline = time.monotonic() + 5
+    probe = redis.Redis.from_url(server.url, socket_timeout=0.05)
+    try:
+        while True:  # until Redis is asleep (a PING goes unanswered)
+            assert not errors, errors
+            assert time.monotonic() < deadline, "DEBUG SLEEP never took hold"
+            try:
+                probe.ping()
+            except redis.TimeoutError:
+                break
+            time.sleep(0.005)
+    finally:
+        probe.close()
+
+    def join() -> None:
+        thread.join()
+        client.close()
+        assert not errors, errors
+
+    return join
+
+
+async def settled(
+    server: RedisServer, cluster: str, limits: Limits, gate_unsettled: Callable[[], int]
+) -> float:
+    """Seconds until the compartment is empty in Redis and the gate has nothing unsettled."""
+    started = time.monotonic()
+    while (await compartment(server, cluster, limits)) != (0, 0) or gate_unsettled():
+        assert time.monotonic() - started < SETTLE_WITHIN_S, (
+            "a phantom reservation outlived reconciliation"
+        )
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+async def warm_up(gate: AdmissionGate, facts: RequestFacts, route: Route) -> None:
+    """One admission through Redis, so the pooled connection is open before the stall (on a
+    busy machine the very first call can miss a 50 ms timeout and go local: try again)."""
+    deadline = time.monotonic() + 10
+    while True:
+        out = await gate.admit(facts, route)
+        assert isinstance(out, Admitted)
+        await gate.release(out.ticket)
+        if out.ticket.store == "redis":
+            break
+        assert time.monotonic() < deadline, "redis never answered within the timeout"
+        await asyncio.sleep(0.25)  # past the probe interval
+    while gate.unsettled:  # a missed first call is being reconciled: let it finish
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["debug-sleep", "client-pause", "sigstop"])
+async def test_a_reserve_that_times_out_leaves_no_phantom(server: RedisServer, how: str) -> None:
+    budget = {"max_inflight_tokens": 100_000, "max_concurrent": 4}
+    rt = runtime(server.url, budget=budget, lease_ttl_s=LEASE_TTL_S, timeout_ms=50)
+    registry = CollectorRegistry()
+    gate = await gate_for(rt, registry, probe_interval_s=0.2)
+    facts = request(rt)
+    route = rt.policy.route(facts)
+    cluster = route.placement.primary
+    limits = Limits.of(route.request_class.budget)
+    await warm_up(gate, facts, route)
+
+    join = stall(server, how, 0.6)
+    try:
+        out = await gate.admit(facts, route)
+        assert isinstance(out, Admitted) and out.ticket.store == "memory"
+    finally:
+        await asyncio.to_thread(join)
+
+    await settled(server, cluster, limits, lambda: gate.unsettled)
+    reconciled = sum(
+        sample(registry, "fleet_ledger_reconciled_total", result=r)
+        for r in ("phantom_removed", "not_reserved")
+    )
+    assert reconciled >= 1  # the stalled reserve (and any warm-up call that missed)
+    # Redis holds no lease of this compartment, only (at most) the tombstone of the cancel.
+    keys = compartment_keys("fleet", cluster, "short")
+    with redis.Redis.from_url(server.url) as probe:
+        held = {k: int(v) for k, v in probe.hgetall(keys[2]).items()}
+    assert all(v < 0 for v in held.values()), held
+
+    await gate.release(out.ticket)
+    labels = {"cluster": cluster, "request_class": "short"}
+    assert sample(registry, "fleet_budget_inflight_requests", **labels) == 0
+    assert gate.held == 0
+    await gate.close()
+
+
+async def test_a_cancelled_admission_leaves_no_phantom(server: RedisServer) -> None:
+    rt = runtime(server.url, budget={"max_concurrent": 4}, lease_ttl_s=LEASE_TTL_S, timeout_ms=3000)
+    registry = CollectorRegistry()
+    gate = await gate_for(rt, registry, probe_interval_s=0.2)
+    facts = request(rt)
+    route = rt.policy.route(facts)
+    cluster = route.placement.primary
+    await warm_up(gate, facts, route)
+
+    server.pause()
+    try:
+        task = asyncio.create_task(gate.admit(facts, route))
+        await asyncio.sleep(0.3)  # the reserve is written and waiting for its reply
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        server.resume()
+    await settled(server, cluster, Limits(max_concurrent=4), lambda: gate.unsettled)
+    assert gate.held == 0
+    assert (
+        sample(registry, "fleet_ledger_reconciled_total", result="phantom_removed")
+        + sample(registry, "fleet_ledger_reconciled_total", result="not_reserved")
+        >= 1
+    )
+    await gate.close()
+
+
+async def test_cancel_refuses_a_late_reserve_and_the_tombstone_lapses(server: RedisServer) -> None:
+    ledger = RedisLedger.from_url(server.url, lease_ttl_s=1.0, timeout_s=2.0)
+    await ledger.load()
+    demand = Demand("c1", "short", 10, Budget(max_concurrent=2), Limits(0, 2))
+    keys = compartment_keys("fleet", "c1", "short")
+
+    # Cancel first (the reserve is still queued somewhere), then the late reserve arrives.
+    assert await ledger.cancel("c1", "short", "late") is False
+    late = await ledger.reserve(demand, "late")
+    assert not late.granted and late.usage.concurrent == 0
+
+    # Reserve first, then the cancel: the reservation is taken back.
+    early = await ledger.reserve(demand, "early")
+    assert early.granted and early.usage.concurrent == 1
+    assert await ledger.cancel("c1", "short", "early") is True
+    assert await ledger.cancel("c1", "short", "early") is False  # idempotent
+    # Resending a reserve under a live lease id charges nothing twice.
+    again = await ledger.reserve(demand, "twice")
+    assert (await ledger.reserve(demand, "twice")).usage.concurrent == again.usage.concurrent == 1
+    assert await ledger.cancel("c1", "short", "twice") is True
+
+    await asyncio.sleep(1.2)  # past the tombstones' TTL: the next reserve reaps them
+    fresh = await ledger.reserve(demand, "fresh")
+    assert fresh.granted and fresh.usage.concurrent == 1
+    with redis.Redis.from_url(server.url) as probe:
+        assert probe.hkeys(keys[2]) == [b"fresh"]
+        assert probe.zrange(keys[1], 0, -1) == [b"fresh"]
+    await ledger.close()
