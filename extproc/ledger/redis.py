@@ -44,9 +44,10 @@ reconnects.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import secrets
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from importlib import resources
 from typing import Any
 
@@ -102,8 +103,12 @@ class RedisLedger:
         lease_ttl_s: float = 30.0,
         timeout_s: float = 0.05,
         replica_id: str | None = None,
+        max_connections: int = 16,
     ) -> None:
         self.client = client
+        # Calls in flight at once. The single-node pool blocks by itself; the cluster client's
+        # per-node pools raise instead, so a burst waits here (within the same timeout).
+        self._slots = asyncio.Semaphore(max_connections)
         self.prefix = prefix
         self.lease_ttl_s = lease_ttl_s
         self.timeout_s = timeout_s
@@ -133,14 +138,19 @@ class RedisLedger:
             lease_ttl_s=lease_ttl_s,
             timeout_s=timeout_s,
             replica_id=replica_id,
+            max_connections=max_connections,
         )
 
-    async def _bounded(self, what: str, call: Any) -> Any:
+    async def _bounded(self, what: str, call: Awaitable[Any]) -> Any:
         try:
             async with asyncio.timeout(self.timeout_s):
-                return await call
+                async with self._slots:
+                    return await call
         except (RedisError, OSError) as exc:  # TimeoutError is an OSError
             raise LedgerUnavailable(f"redis {what}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if inspect.iscoroutine(call):
+                call.close()  # no-op once it ran; a call that never got a slot is discarded
 
     async def load(self) -> None:
         """Load the scripts so the first admission is already a single EVALSHA."""
@@ -234,7 +244,7 @@ class RedisLedger:
         for attempt in range(2):
             pipe = self.client.pipeline(transaction=False)
             for keys, args in calls:
-                pipe.evalsha(sha, len(keys), *keys, *args)
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
             try:
                 result: list[Any] = await self._bounded(what, pipe.execute())
                 return result

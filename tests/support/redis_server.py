@@ -182,3 +182,177 @@ class RedisServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster-bus port (port + 10000) is free too."""
+    for _attempt in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((HOST, port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+def command(port: int, *args: str, timeout: float = 2.0) -> str:
+    """One command through redis-cli (raw output), for cluster administration in tests."""
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        raise RuntimeError("redis-cli not found on PATH (install the redis-server package)")
+    out = subprocess.run(
+        [cli, "-h", HOST, "-p", str(port), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    return out.stdout
+
+
+class RedisClusterServers:
+    """A real Redis Cluster on 127.0.0.1: ``masters`` primaries with ``replicas`` each.
+
+        with RedisClusterServers() as cluster:      # 3 primaries + 3 replicas, state ok
+            url = cluster.url                       # redis+cluster://127.0.0.1:<port>
+            port = cluster.primary_for("{c1:short}")
+            cluster.node(port).kill()               # its replica takes over
+            cluster.wait_ok()
+
+    Every node is a ``RedisServer`` started with ``--cluster-enabled yes``; the cluster is
+    formed by ``redis-cli --cluster create``. ``node_timeout_ms`` is short so a killed primary
+    is failed over in about a second.
+    """
+
+    def __init__(self, masters: int = 3, replicas: int = 1, *, node_timeout_ms: int = 1000) -> None:
+        self.masters = masters
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.nodes: dict[int, RedisServer] = {}
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://{HOST}:{self.seed_port}"
+
+    @property
+    def seed_port(self) -> int:
+        alive = [p for p, n in self.nodes.items() if n.running]
+        return alive[0]
+
+    def node(self, port: int) -> RedisServer:
+        return self.nodes[port]
+
+    def start(self) -> RedisClusterServers:
+        total = self.masters * (1 + self.replicas)
+        for _ in range(total):
+            port = free_cluster_port()
+            server = RedisServer(
+                port,
+                extra_args=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    str(self.node_timeout_ms),
+                    # A lone surviving shard keeps serving its own slots.
+                    "--cluster-require-full-coverage",
+                    "no",
+                    # Replicas sync at once (the default waits 5 s for more replicas): a
+                    # replica that never synced cannot take over from its primary.
+                    "--repl-diskless-sync-delay",
+                    "0",
+                ),
+            )
+            self.nodes[port] = server.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli not found on PATH (install the redis-server package)")
+        addresses = [f"{HOST}:{p}" for p in self.nodes]
+        created = subprocess.run(
+            [cli, "--cluster", "create", *addresses, "--cluster-replicas", str(self.replicas)],
+            input="yes\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if created.returncode != 0:
+            raise RuntimeError(
+                f"redis-cli --cluster create failed:\n{created.stdout}{created.stderr}"
+            )
+        self.wait_ok()
+        return self
+
+    def cluster_ok(self) -> bool:
+        """Every live node reports cluster_state:ok and agrees on ``masters`` live primaries,
+        and every live replica is in sync with its primary (so it could take over)."""
+        for port, server in self.nodes.items():
+            if not server.running:
+                continue
+            if "cluster_state:ok" not in command(port, "CLUSTER", "INFO"):
+                return False
+            if len(self.primaries(port)) != self.masters:
+                return False
+            info = command(port, "INFO", "replication")
+            if "role:slave" in info and "master_link_status:up" not in info:
+                return False
+        return True
+
+    def primaries(self, via: int | None = None) -> list[int]:
+        """Ports of the primaries that serve slots, as node ``via`` sees the cluster."""
+        out = command(via or self.seed_port, "CLUSTER", "NODES")
+        ports: list[int] = []
+        for line in out.splitlines():
+            fields = line.split()
+            if len(fields) < 9 or "master" not in fields[2] or "fail" in fields[2]:
+                continue
+            ports.append(int(fields[1].split("@", 1)[0].rsplit(":", 1)[1]))
+        return ports
+
+    def primary_for(self, key: str) -> int:
+        """Port of the primary serving ``key``'s slot."""
+        slot = int(command(self.seed_port, "CLUSTER", "KEYSLOT", key).strip())
+        return self._slot_owner(slot)
+
+    def _slot_owner(self, slot: int) -> int:
+        out = command(self.seed_port, "CLUSTER", "NODES")
+        for line in out.splitlines():
+            fields = line.split()
+            if len(fields) < 9 or "master" not in fields[2] or "fail" in fields[2]:
+                continue
+            for part in fields[8:]:
+                lo, _, hi = part.partition("-")
+                if lo.isdigit() and int(lo) <= slot <= int(hi or lo):
+                    return int(fields[1].split("@", 1)[0].rsplit(":", 1)[1])
+        raise RuntimeError(f"no live primary serves slot {slot}")
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.cluster_ok():
+            if time.monotonic() > deadline:
+                raise RuntimeError("Redis Cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        for server in self.nodes.values():
+            server.close()
+
+    def __enter__(self) -> RedisClusterServers:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
