@@ -455,13 +455,16 @@ class AdmissionGate:
             return
         self._redis_ok()
 
+    def _renew_due_in(self) -> float:
+        return self._last_renew + self._renew_interval_s - self._clock()
+
     async def tick(self) -> None:
         """The background step: renew when a renewal period has passed, probe a down Redis
         when its probe interval has, and retry unsettled cancels and releases."""
         shared = self._shared
         if shared is None:
             return
-        if self._clock() - self._last_renew >= self._renew_interval_s:
+        if self._renew_due_in() <= 0:
             await self.renew_once()
         elif self._down_until is not None and self._redis_due() and not self._unsettled:
             await self.check_redis()
@@ -469,9 +472,13 @@ class AdmissionGate:
             await self._flush_unsettled(shared)
 
     async def _renew_loop(self) -> None:
-        interval = min(self._renew_interval_s, self._probe_interval_s)
         while True:
-            await asyncio.sleep(interval)
+            # Sleep until the next renewal is due; while Redis is down or something waits to
+            # be settled, wake every probe interval too.
+            wait = self._renew_due_in()
+            if self._unsettled or self._down_until is not None:
+                wait = min(wait, self._probe_interval_s)
+            await asyncio.sleep(max(0.005, wait))
             try:
                 await self.tick()
             except Exception:

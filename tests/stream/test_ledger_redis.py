@@ -229,7 +229,9 @@ async def test_reservations_of_a_sigkilled_replica_expire_within_the_lease_ttl(
     server: RedisServer,
 ) -> None:
     ttl = 2.0
-    doc = fleet_doc(server.url, budget={"max_concurrent": 10}, lease_ttl_s=ttl)
+    # A generous timeout: this test is about leases outliving a killed holder, not about
+    # latency; on a busy machine 50 ms renewals can time out and lapse on their own.
+    doc = fleet_doc(server.url, budget={"max_concurrent": 10}, lease_ttl_s=ttl, timeout_ms=500)
     limits = Limits(max_concurrent=10)
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-c", CHILD, json.dumps(doc), "3", stdout=asyncio.subprocess.PIPE
