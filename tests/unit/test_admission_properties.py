@@ -35,11 +35,8 @@ from extproc.core.admission import (
     unavailable,
     verdict,
 )
-from extproc.core.api import Api
 from extproc.core.decide import Route
-from extproc.core.facts import RequestFacts
 from extproc.core.fleet import Budget, RequestClass
-from extproc.core.keys import KeySource, hash_key
 from extproc.core.placement import Placement
 
 SIZES = st.integers(min_value=0, max_value=2**53)
@@ -70,19 +67,6 @@ def answers(draw: st.DrawFn) -> LedgerAnswer:
     )
     ticket = Ticket("c1", "short", 1, "lease", "memory") if granted else None
     return LedgerAnswer(granted, ticket, usage, released, draw(CLOCK))
-
-
-def facts(tokens: int) -> RequestFacts:
-    return RequestFacts(
-        api=Api.OPENAI_CHAT,
-        model="m",
-        session=hash_key(KeySource.HEADER, b"s"),
-        input_tokens=tokens,
-        max_output_tokens=None,
-        tier=None,
-        stream=False,
-        body_bytes=0,
-    )
 
 
 def assert_hints_bounded(reject: Reject) -> None:
@@ -131,7 +115,7 @@ def test_verdict_is_total_and_hints_are_bounded(
 @given(budgets(), SIZES)
 def test_plan_is_total_and_413_only_when_nothing_could_admit(budget: Budget, tokens: int) -> None:
     cls = RequestClass("short", budget=budget)
-    out = plan(facts(tokens), Route(Placement("c1", "c2"), cls))
+    out = plan(tokens, Route(Placement("c1", "c2"), cls))
     if not budget.enforced:
         assert out is None
         return
