@@ -174,14 +174,3 @@ def affinity_params(cfg: AffinityConfig) -> AffinityParams:
         hot_key_min_requests=cfg.hot_key_min_requests,
         hot_key_half_life_s=cfg.hot_key_half_life_s,
     )
-
-
-def scale_budgets(runtime: Runtime, parts: int) -> Runtime:
-    """The same runtime with one of ``parts`` equal shares of every budget
-    (:meth:`~extproc.core.fleet.Budget.share`): one worker's part when several workers split
-    an in-memory budget."""
-    classes = tuple(
-        dataclasses.replace(cls, budget=cls.budget.share(parts)) for cls in runtime.policy.classes
-    )
-    policy = Policy(classes, runtime.policy.placers)
-    return dataclasses.replace(runtime, policy=policy)

@@ -466,7 +466,7 @@ class AdmissionGate:
             return
         if self._renew_due_in() <= 0:
             await self.renew_once()
-        elif self._down_until is not None and self._redis_due() and not self._unsettled:
+        elif not self._health.up and self._redis_due() and not self._unsettled:
             await self.check_redis()
         if self._unsettled and self._redis_due():
             await self._flush_unsettled(shared)
@@ -476,8 +476,8 @@ class AdmissionGate:
             # Sleep until the next renewal is due; while Redis is down or something waits to
             # be settled, wake every probe interval too.
             wait = self._renew_due_in()
-            if self._unsettled or self._down_until is not None:
-                wait = min(wait, self._probe_interval_s)
+            if self._unsettled or not self._health.up:
+                wait = min(wait, self._health.probe_interval_s)
             await asyncio.sleep(max(0.005, wait))
             try:
                 await self.tick()
@@ -504,6 +504,27 @@ class AdmissionGate:
         await self._local.close()
         if self._shared is not None:
             await self._shared.close()
+
+
+def workers_problem(runtime: Runtime, workers: int) -> str | None:
+    """Why ``workers`` processes cannot enforce ``runtime``'s budgets, or None when they can.
+
+    Without a shared ledger each worker would hold its own copy of every budget. Neither a
+    full copy (N x the budget) nor a 1/N share is the configured budget: Envoy multiplexes
+    every stream on one HTTP/2 connection, which one worker accepts, so a share refuses
+    requests that fit (and answers 413 to a request larger than the share).
+    """
+    if workers <= 1 or runtime.redis.url:  # overrides (--redis-url, $FLEET_REDIS_URL) included
+        return None
+    budgeted = [cls.name for cls in runtime.policy.classes if cls.budget.enforced]
+    if not budgeted:
+        return None
+    return (
+        f"processor.workers is {workers} but no redis.url is set, and classes "
+        f"{', '.join(budgeted)} have budgets: separate worker processes cannot enforce one "
+        "budget without a shared ledger. Set redis.url (or FLEET_REDIS_URL / --redis-url) so "
+        "the workers share it, or run one worker per processor (workers: 1) and add replicas."
+    )
 
 
 def build_gate(

@@ -33,9 +33,9 @@ from prometheus_client import CollectorRegistry
 from extproc.config import ConfigError, Runtime, load_runtime
 from extproc.config.label_secret import LabelSecret, warn_if_per_process
 from extproc.config.load import runtime_from_bytes
-from extproc.config.runtime import Overrides, scale_budgets, with_sketch
+from extproc.config.runtime import Overrides, with_sketch
 from extproc.core.chains import ChainSketch
-from extproc.ledger.gate import AdmissionGate, build_gate
+from extproc.ledger.gate import AdmissionGate, build_gate, workers_problem
 from extproc.logs import setup_logging
 from extproc.loop_monitor import LoopMonitor
 from extproc.metrics import Metrics
@@ -132,12 +132,9 @@ class Service:
         self._set_version(None, runtime.version)
 
     def _local_view(self, runtime: Runtime) -> Runtime:
-        """With several workers and no Redis, each worker enforces its share of every budget.
-        Every runtime keys sessions through this process's chain sketch."""
-        runtime = with_sketch(runtime, self.chains)
-        if self.opts.workers > 1 and not runtime.redis.url:
-            return scale_budgets(runtime, self.opts.workers)
-        return runtime
+        """Every runtime keys sessions through this process's chain sketch. (Budgets are never
+        split between workers: several workers need the shared ledger, see workers_problem.)"""
+        return with_sketch(runtime, self.chains)
 
     def _fleet_state(self, runtime: Runtime) -> FleetState:
         """Affinity state, with the shared session store when Redis is configured: attached
@@ -204,6 +201,10 @@ class Service:
             fresh = runtime_from_bytes(raw, str(path), self.opts.overrides)
         except ConfigError as exc:
             self._reject(exc.problems)
+            return False
+        problem = workers_problem(fresh, self.opts.workers)
+        if problem is not None:
+            self._reject([problem])
             return False
         old = self.holder.current.version
         if fresh.version == old:
@@ -364,6 +365,10 @@ async def serve(opts: ServeOptions) -> int:
         runtime = load_runtime(opts.config_path, opts.overrides)
     except (ConfigError, OSError) as exc:
         print(str(exc), file=sys.stderr)
+        return 2
+    problem = workers_problem(runtime, opts.workers)
+    if problem is not None:
+        print(f"{opts.config_path}: {problem}", file=sys.stderr)
         return 2
     secret = LabelSecret(runtime.key_rules.label_secret, runtime.label_secret_source)
     warn_if_per_process(secret, runtime.config.session.label_secret_env)

@@ -1,0 +1,385 @@
+"""Fault matrix of the budget ledger: two gateway replicas (two AdmissionGates) share one real
+redis-server while clients hold and release admissions; a fault hits Redis or a replica
+mid-run. After each fault: no request is lost (every admit answers), the requests held at
+once never exceed the budget by more than the stated bound, and once traffic stops every
+in-flight gauge and the Redis compartment return to 0 within the lease TTL.
+
+CI runs a short version of each row. The full run prints the RELIABILITY.md table:
+
+    .venv/bin/python -m tests.stream.test_ledger_faults            # full, prints markdown
+
+The stated bound: while a replica cannot reach Redis it admits against its local share
+(budget / replicas); requests it admitted locally are not in Redis, and requests admitted
+through Redis keep running, so during and just after an outage the requests held at once are
+at most budget + Σ local shares = 2 x budget (1 x budget over). A Redis restart loses every
+lease: requests admitted before it keep running and Redis admits a full budget again (again
+at most 1 x budget over, until those requests end or their renewals find the leases gone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pytest
+import redis
+from prometheus_client import CollectorRegistry
+
+from extproc.core.admission import Admitted, Limits, Reject
+from extproc.ledger.gate import AdmissionGate
+from tests.stream.test_ledger_redis import CHILD, compartment, fleet_doc, gate_for, request
+from tests.stream.test_ledger_redis import runtime as make_runtime
+from tests.support.redis_server import RedisServer
+
+BUDGET = 8
+REPLICAS = 2
+LEASE_TTL_S = 3.0
+OVER_BOUND = BUDGET  # 1 x budget, see the module docstring
+
+
+@dataclass
+class Row:
+    fault: str
+    requests: int
+    lost: int
+    max_held: int
+    max_over: int
+    leaked_requests: int
+    leaked_tokens: int
+    recover_s: float
+
+
+@dataclass
+class Holding:
+    now: int = 0
+    peak: int = 0
+
+    def add(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+
+Fault = Callable[[RedisServer], Awaitable[None]]
+
+
+async def debug_sleep(server: RedisServer) -> None:
+    client = redis.Redis.from_url(server.url, socket_timeout=10)
+    await asyncio.to_thread(client.execute_command, "DEBUG", "SLEEP", 0.5)
+    client.close()
+
+
+async def client_pause(server: RedisServer) -> None:
+    with redis.Redis.from_url(server.url, socket_timeout=5) as client:
+        client.execute_command("CLIENT", "PAUSE", 500, "ALL")
+    await asyncio.sleep(0.5)
+
+
+async def hang(server: RedisServer) -> None:
+    server.pause()
+    try:
+        await asyncio.sleep(1.5)
+    finally:
+        server.resume()
+
+
+async def kill_restart(server: RedisServer) -> None:
+    server.kill()
+    await asyncio.sleep(1.0)
+    await asyncio.to_thread(server.start)
+
+
+FAULTS: dict[str, Fault] = {
+    "redis slowed (DEBUG SLEEP 0.5 s)": debug_sleep,
+    "redis paused (CLIENT PAUSE 0.5 s)": client_pause,
+    "redis hung (SIGSTOP 1.5 s)": hang,
+    "redis killed, restarted empty after 1 s": kill_restart,
+}
+
+
+async def _client(
+    gates: list[AdmissionGate],
+    rng: random.Random,
+    stop: asyncio.Event,
+    held: Holding,
+    stats: dict[str, int],
+    rt: Any,
+) -> None:
+    facts = request(rt, "fault-matrix")
+    route = rt.policy.route(facts)
+    while not stop.is_set():
+        gate = gates[rng.randrange(len(gates))]
+        stats["requests"] += 1
+        try:
+            out = await gate.admit(facts, route)
+        except Exception:  # noqa: BLE001 - any raise is a lost request, which is what is counted
+            stats["lost"] += 1
+            continue
+        if isinstance(out, Admitted):
+            if out.ticket.store == "redis":
+                stats["last_redis_admit_ns"] = time.monotonic_ns()
+            held.add(1)
+            await asyncio.sleep(rng.uniform(0.02, 0.12))
+            held.add(-1)
+            await gate.release(out.ticket)
+        else:
+            assert isinstance(out, Reject)
+            await asyncio.sleep(0.01)
+
+
+async def settle(
+    server: RedisServer,
+    gates: list[AdmissionGate],
+    registries: list[CollectorRegistry],
+    cluster: str,
+) -> tuple[int, int]:
+    """Wait (up to the lease TTL + slack) until nothing is held anywhere; what is left."""
+    limits = Limits(max_concurrent=BUDGET)
+    deadline = time.monotonic() + LEASE_TTL_S + 2.0
+    left = (0, 0)
+    while time.monotonic() < deadline:
+        left = await compartment(server, cluster, limits)
+        gauges = sum(
+            r.get_sample_value(
+                "fleet_budget_inflight_requests", {"cluster": cluster, "request_class": "short"}
+            )
+            or 0.0
+            for r in registries
+        )
+        if left == (0, 0) and gauges == 0 and not any(g.unsettled or g.held for g in gates):
+            break
+        await asyncio.sleep(0.05)
+    return left[1], left[0]
+
+
+async def run_fault(
+    server: RedisServer, name: str, fault: Fault, clients: int, seconds: float, seed: int = 1
+) -> Row:
+    rt = make_runtime(
+        server.url,
+        budget={"max_concurrent": BUDGET},
+        replicas=REPLICAS,
+        lease_ttl_s=LEASE_TTL_S,
+        timeout_ms=50,
+    )
+    registries = [CollectorRegistry() for _ in range(REPLICAS)]
+    gates = [await gate_for(rt, reg, probe_interval_s=0.2) for reg in registries]
+    cluster = rt.policy.route(request(rt, "fault-matrix")).placement.primary
+    rng = random.Random(seed)
+    stop = asyncio.Event()
+    held = Holding()
+    stats = {"requests": 0, "lost": 0, "last_redis_admit_ns": 0}
+    tasks = [
+        asyncio.create_task(_client(gates, random.Random(rng.random()), stop, held, stats, rt))
+        for _ in range(clients)
+    ]
+    await asyncio.sleep(min(1.0, seconds / 3))
+    await fault(server)
+    ended = time.monotonic()
+    ended_ns = time.monotonic_ns()
+    recovered = None
+    # Recovered: the first admission through the shared budget after the fault ended.
+    while time.monotonic() - ended < seconds:
+        if recovered is None and stats["last_redis_admit_ns"] > ended_ns:
+            recovered = (stats["last_redis_admit_ns"] - ended_ns) / 1e9
+        await asyncio.sleep(0.02)
+    stop.set()
+    await asyncio.gather(*tasks)
+    leaked_requests, leaked_tokens = await settle(server, gates, registries, cluster)
+    for g in gates:
+        await g.close()
+    return Row(
+        name,
+        stats["requests"],
+        stats["lost"],
+        held.peak,
+        max(0, held.peak - BUDGET),
+        leaked_requests,
+        leaked_tokens,
+        round(recovered if recovered is not None else float("inf"), 2),
+    )
+
+
+async def run_replica_sigkill(server: RedisServer) -> Row:
+    """A replica holding 3 leases is SIGKILLed; the survivor sees the budget come back
+    within the lease TTL and never more than the budget admitted."""
+    doc = fleet_doc(
+        server.url, budget={"max_concurrent": BUDGET}, lease_ttl_s=LEASE_TTL_S, timeout_ms=500
+    )
+    rt = make_runtime(
+        server.url, budget={"max_concurrent": BUDGET}, lease_ttl_s=LEASE_TTL_S, timeout_ms=500
+    )
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CHILD, json.dumps(doc), "3", stdout=asyncio.subprocess.PIPE
+    )
+    assert child.stdout is not None
+    cluster = (await asyncio.wait_for(child.stdout.readline(), timeout=30)).decode().strip()
+    registry = CollectorRegistry()
+    gate = await gate_for(rt, registry, probe_interval_s=0.2)
+    facts = request(rt)
+    route = rt.policy.route(facts)
+    child.send_signal(signal.SIGKILL)
+    await child.wait()
+    killed = time.monotonic()
+    requests, peak = 0, 0
+    held: list[Any] = []
+    recovered = float("inf")
+    while time.monotonic() - killed < LEASE_TTL_S + 2.0:
+        requests += 1
+        out = await gate.admit(facts, route)
+        if isinstance(out, Admitted):
+            held.append(out.ticket)
+        peak = max(peak, len(held))
+        if len(held) == BUDGET:
+            recovered = time.monotonic() - killed
+            break
+        await asyncio.sleep(0.05)
+    for t in held:
+        await gate.release(t)
+    left = await compartment(server, cluster, Limits(max_concurrent=BUDGET))
+    await gate.close()
+    return Row(
+        "processor replica SIGKILLed holding 3 leases",
+        requests,
+        0,
+        peak,
+        max(0, peak - BUDGET),
+        left[1],
+        left[0],
+        round(recovered, 2),
+    )
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+async def test_budget_holds_through_the_fault(server: RedisServer, name: str) -> None:
+    row = await run_fault(server, name, FAULTS[name], clients=24, seconds=2.0)
+    assert row.requests > 50
+    assert row.lost == 0
+    assert row.max_over <= OVER_BOUND, row
+    assert (row.leaked_requests, row.leaked_tokens) == (0, 0), row
+    assert row.recover_s < 5.0, row
+
+
+async def test_a_sigkilled_replica_gives_its_budget_back_within_the_ttl(
+    server: RedisServer,
+) -> None:
+    row = await run_replica_sigkill(server)
+    assert row.recover_s <= LEASE_TTL_S + 1.5, row
+    assert (row.leaked_requests, row.leaked_tokens) == (0, 0), row
+
+
+async def test_an_abort_storm_leaks_nothing(server: RedisServer) -> None:
+    row = await run_abort_storm(server, 1000)
+    assert row.lost == 0
+    assert row.max_over <= OVER_BOUND, row
+    assert (row.leaked_requests, row.leaked_tokens) == (0, 0), row
+
+
+async def run_abort_storm(server: RedisServer, n: int, seed: int = 3) -> Row:
+    """``n`` admissions, a random third of them cancelled mid-reserve (the stream aborted by
+    the client), while Redis is slowed for part of it; then everything admitted is released."""
+    rt = make_runtime(
+        server.url,
+        budget={"max_concurrent": BUDGET},
+        replicas=REPLICAS,
+        lease_ttl_s=LEASE_TTL_S,
+        timeout_ms=50,
+    )
+    registries = [CollectorRegistry() for _ in range(REPLICAS)]
+    gates = [await gate_for(rt, reg, probe_interval_s=0.2) for reg in registries]
+    facts = request(rt, "storm")
+    route = rt.policy.route(facts)
+    rng = random.Random(seed)
+    held = Holding()
+    lost = 0
+
+    async def one(i: int) -> None:
+        nonlocal lost
+        gate = gates[i % REPLICAS]
+        task = asyncio.create_task(gate.admit(facts, route))
+        if rng.random() < 0.33:
+            await asyncio.sleep(rng.uniform(0, 0.003))
+            task.cancel()
+        try:
+            out = await task
+        except asyncio.CancelledError:
+            return
+        except Exception:  # noqa: BLE001 - any raise is a lost request, which is what is counted
+            lost += 1
+            return
+        if isinstance(out, Admitted):
+            held.add(1)
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            held.add(-1)
+            await gate.release(out.ticket)
+
+    def slow_down() -> None:
+        with redis.Redis.from_url(server.url, socket_timeout=5) as client:
+            client.execute_command("DEBUG", "SLEEP", 0.2)
+
+    sleeper = threading.Thread(target=slow_down)
+    started = time.monotonic()
+    batch = [one(i) for i in range(n)]
+    sleeper.start()
+    await asyncio.gather(*batch)
+    await asyncio.to_thread(sleeper.join)
+    leaked_requests, leaked_tokens = await settle(
+        server, gates, registries, route.placement.primary
+    )
+    for g in gates:
+        await g.close()
+    return Row(
+        f"abort storm: {n} requests, a third cancelled mid-reserve, Redis slowed 0.2 s",
+        n,
+        lost,
+        held.peak,
+        max(0, held.peak - BUDGET),
+        leaked_requests,
+        leaked_tokens,
+        round(time.monotonic() - started, 2),
+    )
+
+
+def _markdown(rows: list[Row]) -> str:
+    out = [
+        "| fault | requests | lost | max held (budget 8) | max over-admission "
+        "| leaked after settling (requests/tokens) | recovered after (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.fault} | {r.requests} | {r.lost} | {r.max_held} | {r.max_over} | "
+            f"{r.leaked_requests}/{r.leaked_tokens} | {r.recover_s} |"
+        )
+    return "\n".join(out)
+
+
+async def _full() -> list[Row]:
+    rows: list[Row] = []
+    for name, fault in FAULTS.items():
+        with RedisServer() as srv:
+            rows.append(await run_fault(srv, name, fault, clients=64, seconds=6.0))
+    with RedisServer() as srv:
+        rows.append(await run_replica_sigkill(srv))
+    with RedisServer() as srv:
+        rows.append(await run_abort_storm(srv, 2000))
+    return rows
+
+
+if __name__ == "__main__":
+    result = asyncio.run(_full())
+    print(_markdown(result))
+    print(json.dumps([asdict(r) for r in result]))
