@@ -11,8 +11,8 @@ The split, so that check-and-reserve is one atomic step and every decision stays
 3. :func:`verdict` turns that answer into :class:`Admitted` or a 429 :class:`Reject` whose
    ``retry-after`` is computed from the answer (token-bucket refill time, or the observed
    completion rate of the class on that cluster) plus seeded jitter.
-4. :func:`rate_limit_headers` renders a reject as response headers: ``retry-after``, OpenAI's
-   ``x-ratelimit-*-tokens`` and the IETF draft's ``RateLimit-Policy`` / ``RateLimit`` fields.
+4. ``extproc.core.ratelimit_headers`` renders a reject as the response headers clients and SDKs
+   read.
 
 Budget semantics, per (cluster, class), 0 meaning "no cap" throughout:
 
@@ -466,55 +466,3 @@ def unavailable(demand: Demand, probe_s: float, rng: Random) -> Reject:
         retry_after_s=retry_after,
         limit_tokens=_token_limit(demand.limits),
     )
-
-
-def format_duration(seconds: float) -> str:
-    """OpenAI's x-ratelimit-reset-* style (Go durations): "20ms", "1s", "1m30s", "6m0s"."""
-    if seconds < 1:
-        return f"{max(1, math.ceil(seconds * 1000))}ms"
-    total = math.ceil(seconds)
-    hours, rest = divmod(total, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes}m{secs}s"
-    if minutes:
-        return f"{minutes}m{secs}s"
-    return f"{secs}s"
-
-
-def _policy_item(q: Quota) -> str:
-    # draft-ietf-httpapi-ratelimit-headers-11 §3: a List of sf-string Items with q (Integer),
-    # optional qu (a String from its quota-unit registry: requests, content-bytes,
-    # concurrent-requests) and w (Integer seconds). Tokens are not a registered unit, so they
-    # travel in a vendor-prefixed parameter, which §3.1 allows.
-    item = f'"{q.name}";q={q.quota}'
-    item += ';fleet-unit="tokens"' if q.unit == "tokens" else f';qu="{q.unit}"'
-    if q.window_s is not None:
-        item += f";w={q.window_s}"
-    return item
-
-
-def _limit_item(q: Quota) -> str:
-    # §4: r = available quota (Integer ≥ 0), t = effective window in seconds (Integer ≥ 0).
-    item = f'"{q.name}";r={q.remaining}'
-    if q.reset_s is not None:
-        item += f";t={q.reset_s}"
-    return item
-
-
-def rate_limit_headers(reject: Reject) -> list[tuple[str, str]]:
-    """Response headers for a reject, lower-case names (HTTP/2 and Envoy want them so)."""
-    headers: list[tuple[str, str]] = [("x-fleet-class", reject.class_name)]
-    if reject.retry_after_s is not None:
-        headers.append(("retry-after", str(reject.retry_after_s)))
-    if reject.limit_tokens is not None:
-        headers.append(("x-ratelimit-limit-tokens", str(reject.limit_tokens)))
-    if reject.remaining_tokens is not None:
-        headers.append(("x-ratelimit-remaining-tokens", str(reject.remaining_tokens)))
-    if reject.reset_s is not None:
-        headers.append(("x-ratelimit-reset-tokens", format_duration(reject.reset_s)))
-    if reject.quotas:
-        headers.append(("ratelimit-policy", ", ".join(_policy_item(q) for q in reject.quotas)))
-        if reject.status == 429:
-            headers.append(("ratelimit", ", ".join(_limit_item(q) for q in reject.quotas)))
-    return headers

@@ -13,9 +13,12 @@ Two report formats arrive in inference response headers (the simulated cluster s
 - ``x-fleet-load: kv=0.87,queue=12,inflight=3``, the simple fallback for servers that cannot
   speak ORCA (any subset of the three keys).
 
-KV pressure is ``named_metrics.kv_cache`` when present (what an inference engine means by
-memory pressure: its KV blocks), else ``mem_utilization``. When both headers are present ORCA
-wins.
+KV pressure is ``named_metrics.kv_cache`` (or vLLM's ``named_metrics.kv_cache_usage_perc``)
+when present (what an inference engine means by memory pressure: its KV blocks), else
+``mem_utilization``; the queue is ``named_metrics.queue`` or vLLM's
+``named_metrics.num_requests_waiting``. When both headers are present ORCA wins. The processor
+asks for ORCA reports with the ``endpoint-load-metrics-format: TEXT`` request header (vLLM
+sends none otherwise, and none on streamed responses: scraping covers those).
 
 No clock reads: a :class:`FleetSnapshot` carries the instant of each cluster's last report and
 the policy compares it with the ``now`` it is given, so signals age out without a timer.
@@ -35,13 +38,24 @@ ORCA_HEADER = "endpoint-load-metrics"
 FLEET_LOAD_HEADER = "x-fleet-load"
 LOAD_HEADERS = (ORCA_HEADER, FLEET_LOAD_HEADER)
 
-ReportSource = Literal["orca", "fleet"]
+# "scrape": read from the engines' /metrics pages (extproc.core.engine_metrics).
+ReportSource = Literal["orca", "fleet", "scrape"]
+# The request header that asks vLLM (and other ORCA-aware servers) for an endpoint-load-metrics
+# response header, and the format asked for. vLLM answers only non-streaming responses.
+ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
+ORCA_FORMAT = "TEXT"
 
 # ORCA's named metrics the processor reads (the simulated cluster's names; vLLM-style servers
 # behind an ORCA-emitting sidecar can be configured to use the same).
 _KV_NAMED = "kv_cache"
 _QUEUE_NAMED = "queue"
 _INFLIGHT_NAMED = "inflight"
+# vLLM's ORCA report (vllm/entrypoints/serve/utils/orca_metrics.py) names its two metrics after
+# its Prometheus gauges: ``TEXT named_metrics.kv_cache_usage_perc=0.4,
+# named_metrics.num_requests_waiting=3.0``. It carries no running count.
+_VLLM_KV_NAMED = "kv_cache_usage_perc"
+_VLLM_WAITING_NAMED = "num_requests_waiting"
+_VLLM_RUNNING_NAMED = "num_requests_running"
 # x-fleet-load's short keys, as the ORCA named metrics they stand for.
 _FLEET_KEYS = (("kv", _KV_NAMED), ("queue", _QUEUE_NAMED), ("inflight", _INFLIGHT_NAMED))
 
@@ -79,11 +93,16 @@ def _count(value: float | None) -> int | None:
 def _from_metrics(
     standard: Mapping[str, float], named: Mapping[str, float], source: ReportSource
 ) -> LoadReport | None:
-    kv = named.get(_KV_NAMED, standard.get("mem_utilization"))
+    kv = named.get(_KV_NAMED, named.get(_VLLM_KV_NAMED, standard.get("mem_utilization")))
+    queue = named.get(_QUEUE_NAMED, named.get(_VLLM_WAITING_NAMED))
+    inflight = named.get(_INFLIGHT_NAMED)
+    running = named.get(_VLLM_RUNNING_NAMED)
+    if inflight is None and running is not None:
+        inflight = running + (queue or 0.0)
     report = LoadReport(
         kv=_unit(kv),
-        queue=_count(named.get(_QUEUE_NAMED)),
-        inflight=_count(named.get(_INFLIGHT_NAMED)),
+        queue=_count(queue),
+        inflight=_count(inflight),
         cpu=standard.get("cpu_utilization"),
         source=source,
     )

@@ -45,6 +45,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.exposition import generate_latest
 
 from extproc.harness.class_concurrency import CLASS_HEADER, ClassConcurrency
+from extproc.harness.engine_formats import (
+    ORCA_FORMAT_HEADER,
+    SIM_ENGINES,
+    EngineMetrics,
+    SimEngine,
+    vllm_orca_header,
+)
 from extproc.harness.kvmodel import ClusterModel, ClusterParams, LoadSnapshot, ModelRequest, Plan
 from extproc.harness.prompts import (
     ApiKind,
@@ -111,10 +118,15 @@ class SimClusterConfig:
     name: str = "sim"
     params: ClusterParams = field(default_factory=ClusterParams)
     max_output: int = 64
+    # "sim": the simulator's own load headers and metrics; "vllm" / "sglang": the real engine's
+    # /metrics families and response headers, exactly (extproc.harness.engine_formats).
+    engine: SimEngine = "sim"
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name must not be empty")
+        if self.engine not in SIM_ENGINES:
+            raise ValueError(f"engine must be one of {list(SIM_ENGINES)}, got {self.engine!r}")
         if self.max_output < 1:
             raise ValueError("max_output must be >= 1")
 
@@ -129,7 +141,12 @@ def _reader(
 class SimMetrics:
     """Prometheus metrics of one simulated cluster, on an injected registry."""
 
-    def __init__(self, registry: CollectorRegistry, load: Callable[[], LoadSnapshot]) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        load: Callable[[], LoadSnapshot],
+        engine_names: bool = True,
+    ) -> None:
         self.requests = Counter(
             "sim_requests",
             "Inference requests by API and status",
@@ -173,6 +190,9 @@ class SimMetrics:
             ),
             ("vllm:kv_cache_usage_perc", "KV usage 0..1 (vLLM name)", lambda s: s.kv_usage),
         ]
+        if not engine_names:
+            # Playing a real engine: its own labelled families replace these (engine_formats).
+            gauges = [g for g in gauges if not g[0].startswith("vllm:")]
         for name, help_text, pick in gauges:
             gauge = Gauge(name, help_text, registry=registry)
             gauge.set_function(_reader(load, pick))
@@ -269,7 +289,17 @@ class SimCluster:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._clock = clock
         self._wall_clock = wall_clock
-        self.metrics = SimMetrics(self.registry, lambda: self.model.load(self._clock()))
+        self.metrics = SimMetrics(
+            self.registry,
+            lambda: self.model.load(self._clock()),
+            engine_names=config.engine == "sim",
+        )
+        self.engine_metrics = EngineMetrics(
+            config.engine,
+            self.registry,
+            lambda: self.model.load(self._clock()),
+            config.params.kv_capacity_tokens,
+        )
         self.metrics.set_fault("none")
         self._fault = Fault()
         self._ids = itertools.count(1)
@@ -445,7 +475,8 @@ class SimCluster:
         await self._sleep_until(plan.done_at)
         body = self._full_body(parsed, plan, request_id)
         self.metrics.requests.labels(api=api, code="200").inc()
-        return web.json_response(body, headers=self._response_headers(plan), dumps=_dumps)
+        headers = self._response_headers(plan, request.headers.get(ORCA_FORMAT_HEADER))
+        return web.json_response(body, headers=headers, dumps=_dumps)
 
     def _record(self, parsed: _Parsed, plan: Plan, evicted: int) -> None:
         metrics = self.metrics
@@ -457,16 +488,28 @@ class SimCluster:
             metrics.prefix_hits.inc()
         if evicted:
             metrics.evictions.inc(evicted)
+        self.engine_metrics.record(parsed.prompt_tokens, plan.cached_tokens)
 
     async def _sleep_until(self, instant: float) -> None:
         delay = instant - self._clock()
         if delay > 0:
             await asyncio.sleep(delay)
 
-    def _response_headers(self, plan: Plan) -> dict[str, str]:
+    def _response_headers(self, plan: Plan, orca_format: str | None = None) -> dict[str, str]:
+        """``orca_format``: the request's endpoint-load-metrics-format (None on streams: vLLM
+        reports only on non-streaming responses)."""
         load = self.model.load(self._clock())
-        cpu = min(1.0, load.inflight / self.config.params.max_concurrency)
         headers = self._base_headers()
+        headers[SIM_TTFT_HEADER] = f"{plan.sim_ttft_s * 1000.0:.3f}"
+        headers[SIM_CACHED_HEADER] = str(plan.cached_tokens)
+        if self.config.engine == "vllm":
+            orca = vllm_orca_header(orca_format, load)
+            if orca is not None:
+                headers[ORCA_HEADER] = orca
+            return headers
+        if self.config.engine == "sglang":
+            return headers
+        cpu = min(1.0, load.inflight / self.config.params.max_concurrency)
         # ORCA native-HTTP ("TEXT") format as Envoy's parser reads it: comma-separated
         # key=value pairs, standard fields by name and custom ones under "named_metrics.";
         # values must be finite and non-negative, and no key may repeat.
@@ -478,8 +521,6 @@ class SimCluster:
         headers[FLEET_LOAD_HEADER] = (
             f"kv={load.kv_usage:.4f},queue={load.queued},inflight={load.inflight}"
         )
-        headers[SIM_TTFT_HEADER] = f"{plan.sim_ttft_s * 1000.0:.3f}"
-        headers[SIM_CACHED_HEADER] = str(plan.cached_tokens)
         return headers
 
     def _full_body(self, parsed: _Parsed, plan: Plan, request_id: int) -> dict[str, object]:

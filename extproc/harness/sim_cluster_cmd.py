@@ -10,6 +10,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
+from extproc.harness.engine_formats import SIM_ENGINES
 from extproc.harness.kvmodel import ClusterParams
 from extproc.harness.sim_cluster import SimClusterConfig, start_sim_cluster
 
@@ -30,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-output", type=int, default=64, help="cap on output tokens")
     parser.add_argument("--access-log", action="store_true", help="log every request")
+    parser.add_argument(
+        "--engine",
+        choices=SIM_ENGINES,
+        default="sim",
+        help="metrics and load headers to expose: the simulator's own, or a real engine's",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimClusterConfig:
@@ -40,7 +47,9 @@ def config_from_args(args: argparse.Namespace) -> SimClusterConfig:
         max_concurrency=args.max_concurrency,
         time_scale=args.time_scale,
     )
-    return SimClusterConfig(name=args.name, params=params, max_output=args.max_output)
+    return SimClusterConfig(
+        name=args.name, params=params, max_output=args.max_output, engine=args.engine
+    )
 
 
 async def serve(args: argparse.Namespace) -> None:

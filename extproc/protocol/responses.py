@@ -10,10 +10,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from extproc.core.admission import Reject, rate_limit_headers
+from extproc.core.admission import Reject
 from extproc.core.api import BadRequest, ErrorStyle
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
+from extproc.core.ratelimit_headers import rate_limit_headers
 from extproc.names import (
     CLASS_HEADER,
     PRIMARY_HEADER,
@@ -149,7 +150,11 @@ def error_response(
     return immediate(status, error_body(style, status, message, code), headers, f"fleet_{code}")
 
 
-def reject_response(reject: Reject, style: ErrorStyle) -> ep.ProcessingResponse:
-    """Over budget (429 with retry hints), never admissible (413) or ledger down (503)."""
+def reject_response(
+    reject: Reject, style: ErrorStyle, wall_now: float | None = None
+) -> ep.ProcessingResponse:
+    """Over budget (429 with retry hints), never admissible (413) or ledger down (503).
+    ``wall_now`` (Unix time) dates the resets of Anthropic's rate-limit headers."""
     body = error_body(style, reject.status, reject.message, reject.code)
-    return immediate(reject.status, body, rate_limit_headers(reject), f"fleet_{reject.reason}")
+    headers = rate_limit_headers(reject, style, wall_now)
+    return immediate(reject.status, body, headers, f"fleet_{reject.reason}")

@@ -40,8 +40,15 @@ def _header_map(headers: Any) -> dict[str, str]:
 
 
 class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, pipeline: Pipeline, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        clock: Callable[[], float] = time.perf_counter,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.pipeline = pipeline
+        # Unix time, for the RFC 3339 resets of Anthropic's rate-limit headers.
+        self._wall_clock = wall_clock
         self._metrics = pipeline.metrics
         self._active = 0
         self._answers = responses.RouteAnswers()
@@ -149,7 +156,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 )
             return responses.endpoint_response(outcome.route, outcome.facts, outcome.endpoints)
         if isinstance(outcome, Rejected):
-            return responses.reject_response(outcome.reject, outcome.facts.api.error_style)
+            return responses.reject_response(
+                outcome.reject, outcome.facts.api.error_style, self._wall_clock()
+            )
         if isinstance(outcome, BadRequest):
             return responses.bad_request_response(outcome)
         assert isinstance(outcome, Passthrough)

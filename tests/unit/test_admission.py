@@ -25,10 +25,8 @@ from extproc.core.admission import (
     Ticket,
     Usage,
     effective_burst,
-    format_duration,
     jittered_seconds,
     plan,
-    rate_limit_headers,
     request_tokens,
     unavailable,
     verdict,
@@ -37,6 +35,7 @@ from extproc.core.api import Api
 from extproc.core.facts import RequestFacts
 from extproc.core.fleet import Budget
 from extproc.core.keys import KeySource, hash_key
+from extproc.core.ratelimit_headers import format_duration, rate_limit_headers
 
 CLUSTERS = ["c1", "c2", "c3", "c4"]
 

@@ -1,0 +1,196 @@
+"""The official ``openai`` and ``anthropic`` Python SDKs, with their default retry settings, as
+clients of a real Envoy + processor: a burst over a class's budget is answered with 429s whose
+hints the SDKs obey (they wait at least ``retry-after-ms`` before retrying) and every call
+succeeds once the burst has drained. A wait too long for an SDK to sleep through is answered
+with ``x-should-retry: false``: the SDK raises at once instead of retrying blindly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from extproc.harness.launch import FleetStack
+from tests.e2e.conftest import dump_logs
+
+# One cluster, so the whole burst lands on one budget; each request holds its slot ~0.5 s
+# (8 output tokens at 16 tokens/s).
+SIM_ARGS = ("--time-scale", "1", "--prefill-tps", "200000", "--decode-tps", "16")
+CLASSES: list[dict[str, Any]] = [
+    {"name": "short", "max_input_tokens": 2048, "budget": {"max_concurrent": 2}},
+    # 8000 tokens drain the bucket; the next such request waits > 60 s for the refill.
+    {"name": "long", "budget": {"tokens_per_second": 100, "burst_tokens": 10_000}},
+]
+BURST = 5
+
+
+@dataclass
+class Exchange:
+    at: float
+    method: str
+    status: int = 0
+    headers: dict[str, str] | None = None
+    done: float = 0.0
+
+
+class Wire:
+    """Every HTTP exchange an SDK made, via httpx event hooks on the SDK's default client."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_call: dict[str, list[Exchange]] = {}
+
+    def request(self, request: Any) -> None:
+        call = request.headers.get("x-test-call", "?")
+        with self.lock:
+            self.by_call.setdefault(call, []).append(Exchange(time.monotonic(), request.method))
+
+    def response(self, response: Any) -> None:
+        call = response.request.headers.get("x-test-call", "?")
+        with self.lock:
+            last = self.by_call[call][-1]
+            last.status = response.status_code
+            last.headers = {k.lower(): v for k, v in response.headers.items()}
+            last.done = time.monotonic()
+
+    def hooks(self) -> dict[str, list[Any]]:
+        return {"request": [self.request], "response": [self.response]}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    with FleetStack(
+        tmp_path_factory.mktemp("sdk"),
+        clusters=1,
+        sim_args=SIM_ARGS,
+        fleet_overrides={"classes": CLASSES},
+        processor_args=("--seed", "11"),
+    ) as running:
+        yield running
+
+
+def openai_client(stack: FleetStack, wire: Wire) -> openai.OpenAI:
+    return openai.OpenAI(
+        api_key="test",
+        base_url=f"{stack.url}/v1",
+        http_client=openai.DefaultHttpxClient(event_hooks=wire.hooks()),
+    )
+
+
+def anthropic_client(stack: FleetStack, wire: Wire) -> anthropic.Anthropic:
+    return anthropic.Anthropic(
+        api_key="test",
+        base_url=stack.url,
+        http_client=anthropic.DefaultHttpxClient(event_hooks=wire.hooks()),
+    )
+
+
+def check_backoff(wire: Wire, stack: FleetStack) -> int:
+    """Every retry came no earlier than the hint of the 429 before it; every call ended 200.
+    Returns how many 429s were obeyed."""
+    obeyed = 0
+    for call, exchanges in wire.by_call.items():
+        assert exchanges[-1].status == 200, (call, [e.status for e in exchanges], dump_logs(stack))
+        for before, after in itertools.pairwise(exchanges):
+            assert before.status == 429 and before.headers is not None
+            hint_s = int(before.headers["retry-after-ms"]) / 1000
+            assert int(before.headers["retry-after"]) * 1000 == int(
+                before.headers["retry-after-ms"]
+            )
+            assert hint_s <= 60 and "x-should-retry" not in before.headers
+            # The SDK slept the hint (no retry-after: its own 0.5-8 s backoff would show).
+            assert after.at - before.done >= hint_s - 0.05, (call, hint_s, after.at - before.done)
+            obeyed += 1
+    return obeyed
+
+
+def burst(call: Callable[[int], str]) -> list[str]:
+    with ThreadPoolExecutor(BURST) as pool:
+        return list(pool.map(call, range(BURST)))
+
+
+def test_openai_sdk_backs_off_on_our_hints_and_succeeds(stack: FleetStack) -> None:
+    wire = Wire()
+    with openai_client(stack, wire) as client:
+
+        def call(i: int) -> str:
+            out = client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": f"burst question {i}"}],
+                max_tokens=8,
+                extra_headers={"x-test-call": f"openai-{i}"},
+            )
+            return out.choices[0].message.content or ""
+
+        answers = burst(call)
+    assert all(answers)
+    assert check_backoff(wire, stack) >= 1, "the burst never exceeded the budget"
+
+
+def test_anthropic_sdk_backs_off_on_our_hints_and_succeeds(stack: FleetStack) -> None:
+    wire = Wire()
+    with anthropic_client(stack, wire) as client:
+
+        def call(i: int) -> str:
+            out = client.messages.create(
+                model="m",
+                max_tokens=8,
+                messages=[{"role": "user", "content": f"anthropic burst {i}"}],
+                extra_headers={"x-test-call": f"anthropic-{i}"},
+            )
+            block = out.content[0]
+            return block.text if block.type == "text" else ""
+
+        answers = burst(call)
+    assert all(answers)
+    assert check_backoff(wire, stack) >= 1, "the burst never exceeded the budget"
+    rejected = [
+        e.headers
+        for exchanges in wire.by_call.values()
+        for e in exchanges
+        if e.status == 429 and e.headers is not None
+    ]
+    for headers in rejected:
+        assert int(headers["anthropic-ratelimit-requests-limit"]) == 2
+        assert int(headers["anthropic-ratelimit-requests-remaining"]) == 0
+        reset = datetime.fromisoformat(headers["anthropic-ratelimit-requests-reset"])
+        assert reset.tzinfo is not None
+
+
+def test_a_wait_beyond_what_sdks_sleep_is_not_retried(stack: FleetStack) -> None:
+    wire = Wire()
+    big = "tool output line. " * 1800  # about 8000 estimated input tokens: the long class
+    with openai_client(stack, wire) as client:
+
+        def ask(call: str) -> Any:
+            return client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": big + call}],
+                max_tokens=8,
+                extra_headers={"x-test-call": call},
+            )
+
+        ask("drain")  # takes 8000 of the 10000-token bucket
+        started = time.monotonic()
+        with pytest.raises(openai.RateLimitError) as raised:
+            ask("refused")
+        elapsed = time.monotonic() - started
+    assert elapsed < 10, "the SDK slept instead of raising"
+    assert len(wire.by_call["refused"]) == 1, "the SDK retried a wait it cannot sleep through"
+    headers = raised.value.response.headers
+    wait_s = int(headers["retry-after"])
+    assert wait_s > 60
+    assert headers["x-should-retry"] == "false"
+    assert int(headers["retry-after-ms"]) == wait_s * 1000
+    assert int(headers["x-fleet-retry-after-ms"]) == wait_s * 1000
+    assert f"retry after {wait_s}s" in raised.value.message
