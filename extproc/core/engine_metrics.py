@@ -1,5 +1,5 @@
 """Load read from the inference engines' own Prometheus ``/metrics`` pages. Pure: text in,
-numbers out; the scraper (extproc.engines.scraper) does the fetching and the timing.
+numbers out; the scraper (extproc.pipeline.engine_scraper) does the fetching and the timing.
 
 The names are the engines' current ones, as their exporters print them (Prometheus text format
 0.0.4, what ``prometheus_client`` serves to a scraper that does not ask for OpenMetrics):

@@ -14,9 +14,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.core.load import LoadReport
-from extproc.engine_scraper import EngineScraper, ScrapeMetrics, ScrapePlan, ScrapeTarget
 from extproc.harness.kvmodel import ClusterParams
 from extproc.harness.sim_cluster import RunningSimCluster, SimClusterConfig, start_sim_cluster
+from extproc.pipeline.engine_scraper import EngineScraper, ScrapeMetrics, ScrapePlan, ScrapeTarget
 
 pytestmark = pytest.mark.timeout(30)
 

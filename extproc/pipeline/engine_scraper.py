@@ -35,7 +35,7 @@ from extproc.core.engine_metrics import (
 )
 from extproc.core.load import LoadReport
 
-log = logging.getLogger("extproc.engine_scraper")
+log = logging.getLogger("extproc.pipeline.engine_scraper")
 
 # Prometheus text format 0.0.4: what both engines' exporters serve a plain scraper, and what the
 # core parser reads (OpenMetrics differs in details such as the counter suffixes).
