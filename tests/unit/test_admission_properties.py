@@ -28,16 +28,15 @@ from extproc.core.admission import (
     Ticket,
     Usage,
     bounded_wait,
-    format_duration,
     jittered_seconds,
     plan,
-    rate_limit_headers,
     unavailable,
     verdict,
 )
 from extproc.core.decide import Route
 from extproc.core.fleet import Budget, RequestClass
 from extproc.core.placement import Placement
+from extproc.core.ratelimit_headers import format_duration, rate_limit_headers
 
 SIZES = st.integers(min_value=0, max_value=2**53)
 CAPS = st.one_of(st.just(0), st.integers(min_value=1, max_value=2**48))
