@@ -132,6 +132,8 @@ class AdmissionGate:
         # lease -> (cluster, class): reserves to cancel, releases to deliver, once Redis answers.
         self._unsettled: dict[str, tuple[str, str]] = {}
         self._settling: set[str] = set()
+        # Operator-facing problems found at start (shown in readiness), e.g. eviction policy.
+        self.warnings: list[str] = []
         self._last_renew: float = clock()
         self._limits_seen: dict[tuple[str, str], Limits] = {}
         self._series_cache: dict[tuple[str, str, str], _Series] = {}
@@ -490,9 +492,25 @@ class AdmissionGate:
         if self._shared is not None:
             try:
                 await self._shared.load()
+                await self._check_eviction(self._shared)
             except LedgerUnavailable as exc:
                 self._redis_failed("load", exc)
             self._renewer = asyncio.create_task(self._renew_loop(), name="ledger-renew")
+
+    async def _check_eviction(self, shared: RedisLedger) -> None:
+        """Warn (log, readiness) when Redis may evict ledger keys: every ledger key has a TTL,
+        so any ``volatile-*`` or ``allkeys-*`` policy can drop leases and in-flight counts
+        under memory pressure, which silently frees budget (RELIABILITY.md, "Budget ledger")."""
+        policy = await shared.eviction_policy()
+        if policy is None or policy == "noeviction":
+            self.warnings = []
+            return
+        self.warnings = [
+            f"redis maxmemory-policy is {policy}: under memory pressure Redis may evict "
+            "budget ledger keys and free budget that is in use; use noeviction for the ledger's "
+            "Redis (and keep session state in a Redis of its own if it needs eviction)"
+        ]
+        log.warning(self.warnings[0])
 
     async def close(self) -> None:
         if self._renewer is not None:

@@ -51,7 +51,7 @@ from collections.abc import Awaitable, Sequence
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from extproc.core.admission import (
     RELEASE_RATE_TAU_S,
@@ -156,6 +156,28 @@ class RedisLedger:
         """Load the scripts so the first admission is already a single EVALSHA."""
         for script in (self._reserve, self._release, self._renew):
             await self._bounded("script load", self.client.script_load(script.script))
+
+    async def eviction_policy(self) -> str | None:
+        """Redis's ``maxmemory-policy`` (on a cluster: the first node's answer), or None when
+        the server does not say (managed services often refuse CONFIG)."""
+        try:
+            raw = await self._bounded("config get", self.client.config_get("maxmemory-policy"))
+        except LedgerUnavailable as exc:
+            if isinstance(exc.__cause__, ResponseError):
+                return None
+            raise
+        found: list[str] = []
+
+        def collect(node: Any) -> None:
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    if _text(key) == "maxmemory-policy":
+                        found.append(_text(value))
+                    else:
+                        collect(value)
+
+        collect(raw)
+        return found[0] if found else None
 
     async def ping(self) -> None:
         await self._bounded("ping", self.client.ping())

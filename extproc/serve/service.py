@@ -167,6 +167,9 @@ class Service:
             "ledger": mode,
             "degraded": degraded,
             "draining": self.draining,
+            # Not a reason to be unready, but an operator must see it (e.g. an eviction policy
+            # that can drop budget ledger keys).
+            "warnings": list(self.gate.warnings),
         }
 
     async def explain(self, path: str, headers: dict[str, str], body: bytes) -> dict[str, object]:
