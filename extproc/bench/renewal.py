@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -130,7 +131,7 @@ async def _one_script(ledger: RedisLedger, sha: str, tickets: list[Ticket]) -> i
 
 async def _probe(url: str, stop: asyncio.Event) -> float:
     """Worst PING round trip (ms) another client sees until ``stop``."""
-    probe = Redis.from_url(url)
+    probe = Redis.from_url(url, socket_timeout=120)
     worst = 0.0
     try:
         await probe.ping()
@@ -209,14 +210,16 @@ async def _bench(args: argparse.Namespace, url: str) -> list[Row]:
 
 def _table(rows: list[Row]) -> str:
     head = (
-        "| leases | way | renewal wall p50 (ms) | max (ms) | longest script in Redis (ms) "
-        "| worst PING meanwhile (ms) | lost |"
+        "| leases | way | renewal wall p50 (ms) | max (ms) | round trips | per round trip p50 (ms) "
+        "| longest script in Redis (ms) | worst PING meanwhile (ms) | lost |"
     )
-    out = [head, "|" + "---|" * 7]
+    out = [head, "|" + "---|" * 9]
     for r in rows:
+        trips = math.ceil(r.leases / RENEW_BATCH) if r.way == "chunked" else 1
+        wall = statistics.median(r.wall_ms)
         out.append(
-            f"| {r.leases:,} | {r.way} | {statistics.median(r.wall_ms):.1f} | "
-            f"{max(r.wall_ms):.1f} | {r.script_ms:.1f} | {r.ping_ms:.1f} | {r.lost} |"
+            f"| {r.leases:,} | {r.way} | {wall:.1f} | {max(r.wall_ms):.1f} | {trips} | "
+            f"{wall / trips:.1f} | {r.script_ms:.1f} | {r.ping_ms:.1f} | {r.lost} |"
         )
     return "\n".join(out)
 

@@ -72,7 +72,7 @@ IDLE_TTL_S = 3600.0
 RENEW_CHUNK = 1000
 # Leases per renewal round trip (one pipeline); a replica holding more sends several, each
 # bounded by the Redis timeout on its own.
-RENEW_BATCH = 10_000
+RENEW_BATCH = 5_000
 
 
 def _script(name: str) -> str:
