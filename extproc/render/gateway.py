@@ -492,8 +492,13 @@ def _timeouts(runtime: Runtime) -> Json:
     listener = runtime.config.listener
     timeouts = {"request": _duration(_ms(listener.route_timeout_s))}
     if listener.per_try_timeout_s > 0:
-        # Per attempt, until the response begins (Envoy's per_try_timeout); must not exceed
-        # the request timeout when that one is set.
+        # Per attempt, until the response begins (Envoy's per_try_timeout). Gateway API: it
+        # must not exceed the request timeout when that one is set.
+        if 0 < listener.route_timeout_s < listener.per_try_timeout_s:
+            raise GatewayRenderError(
+                "listener.per_try_timeout_s exceeds listener.route_timeout_s; Gateway API "
+                "requires timeouts.backendRequest <= timeouts.request"
+            )
         timeouts["backendRequest"] = _duration(_ms(listener.per_try_timeout_s))
     return timeouts
 

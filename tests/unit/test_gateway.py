@@ -556,6 +556,13 @@ def test_client_policy_raises_buffer_limit_and_strips_fleet_headers() -> None:
     }
 
 
+def test_per_try_timeout_above_the_route_timeout_is_refused() -> None:
+    data = fleet_data(2)
+    data["listener"] = {"route_timeout_s": 10, "per_try_timeout_s": 20}
+    with pytest.raises(GatewayRenderError, match="backendRequest"):
+        render(fleet_from_dict(data))
+
+
 def test_client_policy_strips_a_client_sent_tier_header() -> None:
     data = fleet_data(2)
     data["session"] = {"tier_header": "x-tier"}
