@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 from urllib.parse import unquote
 
 
@@ -65,8 +66,13 @@ def canonical_path(path: str) -> str:
     return ("/" + "/".join(segments)).lower()
 
 
+@lru_cache(maxsize=4096)
 def api_for_path(path: str) -> Api | None:
-    """The API a request path speaks, matched canonically (see ``canonical_path``)."""
+    """The API a request path speaks, matched canonically (see ``canonical_path``).
+
+    Cached: real traffic uses a handful of spellings, and canonicalising costs several
+    microseconds per call; the bound keeps a client sending endless new paths from growing it.
+    """
     return INFERENCE_PATHS.get(canonical_path(path))
 
 

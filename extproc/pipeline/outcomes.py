@@ -51,8 +51,15 @@ class Hold:
     usage_cluster: str | None = None
     usage_scanner: SseUsageScanner | None = None
 
+    @property
+    def held(self) -> bool:
+        """Whether release() has anything to give back."""
+        return self.ticket is not None or self.routed_to is not None
 
-@dataclass(frozen=True, slots=True)
+
+# Not frozen: a frozen dataclass's __init__ costs about a microsecond more per request, and
+# nothing mutates an outcome after the pipeline returns it.
+@dataclass(slots=True)
 class Routed:
     facts: RequestFacts
     route: Route

@@ -100,15 +100,6 @@ class Pipeline:
         self.fleet.memory.max_sessions = runtime.max_sessions
 
     # -- the decision -----------------------------------------------------------------------
-    async def decide(self, headers: Mapping[str, str], body: bytes | None, now: float) -> Outcome:
-        """Decide one request and take what it holds (budget, an in-flight count).
-
-        ``headers`` have lower-case names and Envoy's pseudo-headers (``:path``, ``:method``);
-        ``body`` is the whole body, or None when the request ended with its headers. A Routed
-        outcome's hold must be given back with :meth:`release` when the exchange ends.
-        """
-        return await self._decide(headers, body, now, record=True)
-
     async def preview(self, headers: Mapping[str, str], body: bytes | None, now: float) -> Outcome:
         """The decision :meth:`decide` would take now, on the same state, changing nothing:
         no session is marked, no override written, no budget reserved, nothing counted.
@@ -117,7 +108,7 @@ class Pipeline:
         admit is Rejected with 413); whether the ledger has room right now is a question of
         the next instant, which ``explain`` answers with the compartment's usage instead.
         """
-        return await self._decide(headers, body, now, record=False)
+        return await self.decide(headers, body, now, record=False)
 
     def refuse_partial_body(self, api: Api) -> BadRequest:
         """The answer when the body arrived in pieces (the filter is not in BUFFERED mode, or
@@ -131,9 +122,21 @@ class Pipeline:
         self._count_bad(bad, api)
         return bad
 
-    async def _decide(
-        self, headers: Mapping[str, str], body: bytes | None, now: float, *, record: bool
+    async def decide(
+        self,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        now: float,
+        *,
+        record: bool = True,
     ) -> Outcome:
+        """Decide one request and take what it holds (budget, an in-flight count).
+
+        ``headers`` have lower-case names and Envoy's pseudo-headers (``:path``, ``:method``);
+        ``body`` is the whole body, or None when the request ended with its headers. A Routed
+        outcome's hold must be given back with :meth:`release` when the exchange ends.
+        ``record=False`` is :meth:`preview` (one body for both, so they cannot drift).
+        """
         api = inference_api(headers)
         if api is None:
             if record:
@@ -185,7 +188,7 @@ class Pipeline:
             self.fleet.routed(primary)
         if runtime.inspect_usage:
             hold.usage_cluster = primary
-        endpoints = self._endpoints(runtime, facts, route)
+        endpoints = self._endpoints(runtime, facts, route) if runtime.endpoint_picker else None
         if endpoints == ():
             self._metrics.routes.labels("no_endpoint").inc()
         if log.isEnabledFor(logging.DEBUG):  # per-request lines only when asked for

@@ -92,7 +92,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self._active -= 1
             self._metrics.streams_active.dec()
             hold, state.hold = state.hold, None
-            if hold is not None:
+            # Most exchanges hold nothing (no budget, no affinity): no coroutine for them.
+            if hold is not None and hold.held:
                 await self.pipeline.release(hold)
 
     @property
@@ -135,7 +136,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return responses.bad_request_response(self.pipeline.refuse_partial_body(api))
         outcome = await self.pipeline.decide(state.headers, body, started)
         answer = self._answer(state, outcome, responses.CONTINUE_BODY)
-        if isinstance(outcome, Routed | Rejected):
+        if isinstance(outcome, (Routed, Rejected)):
             self._metrics.decision_seconds.observe(self._clock() - started)
         return answer
 
