@@ -160,17 +160,10 @@ def with_sketch(runtime: Runtime, sketch: ChainSketch) -> Runtime:
 
 
 def affinity_params(cfg: AffinityConfig) -> AffinityParams:
+    """The policy's parameters, by name from the validated config: one list of fields (the
+    core's dataclass), so a parameter added there cannot be forgotten here. The config's other
+    affinity fields (served_by_header, max_sessions) belong to the shell and are compiled apart.
+    """
     return AffinityParams(
-        enabled=cfg.enabled,
-        saturation_factor=cfg.saturation_factor,
-        min_inflight=cfg.min_inflight,
-        kv_pressure_threshold=cfg.kv_pressure_threshold,
-        kv_migrate_threshold=cfg.kv_migrate_threshold,
-        new_session_ttl_s=cfg.new_session_ttl_s,
-        override_ttl_s=cfg.override_ttl_s,
-        signal_max_age_s=cfg.signal_max_age_s,
-        hot_key_share=cfg.hot_key_share,
-        hot_key_spread=cfg.hot_key_spread,
-        hot_key_min_requests=cfg.hot_key_min_requests,
-        hot_key_half_life_s=cfg.hot_key_half_life_s,
+        **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(AffinityParams)}
     )
