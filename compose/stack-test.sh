@@ -13,7 +13,8 @@
 # the stack's traffic stays on its own bridge network and the host's loopback.
 #
 # Environment: PY (the project's virtualenv python, default .venv/bin/python), COMPOSE_TEST_OUT
-# (report directory, default out/compose-test).
+# (report directory, default out/compose-test), COMPOSE_TEST_STORAGE_DRIVER (overlay2 or vfs for
+# the script's own daemon; default: overlay2 when an overlay mount works there, else vfs).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -32,6 +33,9 @@ mkdir -p "$OUT"
 STATE=$(mktemp -d /var/tmp/fleet-compose.XXXXXX)
 PROJECT="fleetct$$"
 OWN_DAEMON=0
+# Docker's bridges (br-<network id>, docker0): none may outlive the run.
+bridges() { ls /sys/class/net | { grep -E '^(br-|docker)' || true; } | sort; }
+NET_BEFORE=$(bridges)
 DOCKERD_PID=
 T0=$(date +%s)
 declare -A PHASE
@@ -63,16 +67,7 @@ cleanup() {
   # Idempotent: the test takes the stack down itself; this covers a failure half-way.
   docker info >/dev/null 2>&1 && compose down -v --remove-orphans --timeout 10 >/dev/null 2>&1
   if [ "$OWN_DAEMON" = 1 ]; then
-    if [ -n "$DOCKERD_PID" ] && kill -0 "$DOCKERD_PID" 2>/dev/null; then
-      kill -TERM "$DOCKERD_PID"
-      for _ in $(seq 60); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.5; done
-      if kill -0 "$DOCKERD_PID" 2>/dev/null; then
-        log "dockerd did not stop in 30 s: killing it"
-        kill -KILL "$DOCKERD_PID"
-      fi
-    fi
-    # A killed daemon can leave container mounts behind; nothing of the run may stay mounted.
-    grep -F " $STATE/" /proc/mounts | awk '{print $2}' | sort -r | xargs -r -n1 umount -l
+    stop_dockerd
   else
     # Someone else's daemon: remove what this run added to it.
     docker rmi "${BUILT_IMAGES[@]}" >/dev/null 2>&1
@@ -82,10 +77,72 @@ cleanup() {
     log "left behind: $STATE"
     rc=1
   fi
+  if pgrep -f -- "$STATE" >/dev/null; then
+    log "left behind: processes $(pgrep -f -- "$STATE" | tr '\n' ' ')"
+    rc=1
+  fi
+  local extra
+  extra=$(comm -13 <(echo "$NET_BEFORE") <(bridges))
+  if [ -n "$extra" ]; then
+    log "left behind: network interfaces $extra"
+    rc=1
+  fi
   log "total: $(($(date +%s) - T0)) s (exit $rc)"
   exit "$rc"
 }
 trap cleanup EXIT
+
+# overlay2 when the data root's file system takes an overlay mount (each container then costs
+# one empty upper directory), else vfs, which works anywhere but copies an image's whole file
+# system for every layer and container: several times slower and gigabytes more disk here.
+storage_driver() {
+  local probe="$STATE/overlay-probe"
+  mkdir -p "$probe"/{lower,upper,work,merged}
+  if mount -t overlay overlay -o "lowerdir=$probe/lower,upperdir=$probe/upper,workdir=$probe/work" \
+    "$probe/merged" 2>/dev/null; then
+    umount "$probe/merged"
+    rm -rf "$probe"
+    echo overlay2
+  else
+    rm -rf "$probe"
+    echo vfs
+  fi
+}
+
+# Its own roots, so nothing touches (or depends on) a system daemon's state. No default bridge
+# and no iptables/ip_forward changes: builds use the host network, and the stack's own compose
+# network needs neither (the published port goes through docker-proxy, bound to loopback by --ip).
+start_dockerd() {
+  mkdir -p "$STATE/data" "$STATE/exec"
+  DRIVER=$1
+  dockerd --data-root "$STATE/data" --exec-root "$STATE/exec" --pidfile "$STATE/dockerd.pid" \
+    -H "$DOCKER_HOST" --storage-driver "$1" --bridge none --iptables=false \
+    --ip-forward=false --ip-masq=false --ip 127.0.0.1 >>"$OUT/dockerd.log" 2>&1 &
+  DOCKERD_PID=$!
+  for _ in $(seq 120); do
+    docker info >/dev/null 2>&1 && return 0
+    if ! kill -0 "$DOCKERD_PID" 2>/dev/null; then
+      tail -5 "$OUT/dockerd.log" >&2
+      return 1
+    fi
+    sleep 0.5
+  done
+  log "dockerd did not come up in 60 s"
+  return 1
+}
+
+stop_dockerd() {
+  [ -n "$DOCKERD_PID" ] && kill -0 "$DOCKERD_PID" 2>/dev/null || return 0
+  kill -TERM "$DOCKERD_PID"
+  for _ in $(seq 60); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.5; done
+  if kill -0 "$DOCKERD_PID" 2>/dev/null; then
+    log "dockerd did not stop in 30 s: killing it"
+    kill -KILL "$DOCKERD_PID"
+  fi
+  # A killed daemon can leave container mounts behind, and any daemon leaves its network
+  # namespace handle (exec-root/netns) mounted: nothing of the run may stay mounted.
+  grep -F " $STATE/" /proc/mounts | awk '{print $2}' | sort -r | xargs -r -n1 umount -l
+}
 
 # --- 1. a Docker daemon -----------------------------------------------------------------------
 command -v docker-compose >/dev/null 2>&1 || apt_install docker-compose
@@ -106,24 +163,17 @@ else
     ln -sf /usr/bin/docker "$STATE/bin/docker"
     export PATH="$STATE/bin:$PATH"
   fi
-  # Its own roots, so nothing touches (or depends on) a system daemon's state. vfs: works on any
-  # file system, no overlay mounts. No default bridge and no iptables/ip_forward changes: builds
-  # use the host network, and the stack's own compose network needs neither (the published port
-  # goes through docker-proxy, bound to loopback by --ip).
-  mkdir -p "$STATE/data" "$STATE/exec"
-  dockerd --data-root "$STATE/data" --exec-root "$STATE/exec" --pidfile "$STATE/dockerd.pid" \
-    -H "unix://$STATE/docker.sock" --storage-driver vfs --bridge none --iptables=false \
-    --ip-forward=false --ip-masq=false --ip 127.0.0.1 >"$OUT/dockerd.log" 2>&1 &
-  DOCKERD_PID=$!
   OWN_DAEMON=1
   export DOCKER_HOST="unix://$STATE/docker.sock"
-  for _ in $(seq 120); do
-    docker info >/dev/null 2>&1 && break
-    kill -0 "$DOCKERD_PID" 2>/dev/null || { tail -20 "$OUT/dockerd.log" >&2; exit 1; }
-    sleep 0.5
-  done
-  docker info >/dev/null 2>&1 || { log "dockerd did not come up in 60 s"; exit 1; }
-  log "started dockerd (pid $DOCKERD_PID, data root $STATE/data)"
+  DRIVER=${COMPOSE_TEST_STORAGE_DRIVER:-$(storage_driver)}
+  if ! start_dockerd "$DRIVER"; then
+    [ "$DRIVER" != vfs ] || exit 1
+    log "dockerd did not start with $DRIVER; trying vfs"
+    stop_dockerd
+    rm -rf "$STATE/data" "$STATE/exec"
+    start_dockerd vfs || exit 1
+  fi
+  log "started dockerd (pid $DOCKERD_PID, storage $DRIVER, data root $STATE/data)"
 fi
 
 # --- 2. stand-in images -----------------------------------------------------------------------
