@@ -45,6 +45,7 @@ from extproc.core.admission import (
     Limits,
     Reject,
     Ticket,
+    Usage,
     plan,
     request_tokens,
     unavailable,
@@ -129,6 +130,8 @@ class AdmissionGate:
         self._health = health or RedisHealth(probe_interval_s)
         self._health.subscribe(self._health_changed)
         self._held: dict[str, Ticket] = {}
+        # (cluster, class) -> [tokens, requests] this replica holds in Redis.
+        self._redis_held: dict[tuple[str, str], list[int]] = {}
         # lease -> (cluster, class): reserves to cancel, releases to deliver, once Redis answers.
         self._unsettled: dict[str, tuple[str, str]] = {}
         self._settling: set[str] = set()
@@ -222,7 +225,10 @@ class AdmissionGate:
                 self._count_reject(reject)
                 return reject
             demand = demand.shared(self._replicas)
-            answer = self._local.reserve_now(demand)
+            # This replica's own Redis leases of the compartment are requests still running:
+            # they count against its local share too, so an outage does not let it admit a
+            # whole share on top of what it already holds.
+            answer = self._local.reserve_now(demand, self._redis_usage(demand))
         outcome = verdict(demand, answer, self._rng)
         if isinstance(outcome, Reject):
             self._count_reject(outcome)
@@ -323,8 +329,16 @@ class AdmissionGate:
             )
         return series
 
+    def _redis_usage(self, demand: Demand) -> Usage | None:
+        held = self._redis_held.get((demand.cluster, demand.class_name))
+        return Usage(held[0], held[1]) if held else None
+
     def _track(self, ticket: Ticket) -> None:
         self._held[ticket.lease] = ticket
+        if ticket.store != self._local.store:
+            held = self._redis_held.setdefault((ticket.cluster, ticket.class_name), [0, 0])
+            held[0] += ticket.tokens
+            held[1] += 1
         series = self._series(ticket)
         series.tokens.inc(ticket.tokens)
         series.requests.inc()
@@ -332,6 +346,14 @@ class AdmissionGate:
         series.admitted.inc()
 
     def _untrack(self, ticket: Ticket) -> None:
+        if ticket.store != self._local.store:
+            key = (ticket.cluster, ticket.class_name)
+            held = self._redis_held.get(key)
+            if held is not None:
+                held[0] -= ticket.tokens
+                held[1] -= 1
+                if held[1] <= 0:
+                    del self._redis_held[key]
         series = self._series(ticket)
         series.tokens.dec(ticket.tokens)
         series.requests.dec()

@@ -57,12 +57,18 @@ class _Compartment:
         return min(float(limits.burst_tokens), self.level + gained)
 
     def answer(
-        self, granted: bool, ticket: Ticket | None, level: float, now: float
+        self,
+        granted: bool,
+        ticket: Ticket | None,
+        level: float,
+        now: float,
+        also: Usage | None = None,
     ) -> LedgerAnswer:
+        extra_tokens, extra_count = (also.inflight_tokens, also.concurrent) if also else (0, 0)
         return LedgerAnswer(
             granted,
             ticket,
-            Usage(self.tokens, self.count, level),
+            Usage(self.tokens + extra_tokens, self.count + extra_count, level),
             ReleaseStats(self.rel_n, self.rel_tokens, self.rel_at, self.rel_since),
             now,
         )
@@ -83,19 +89,26 @@ class MemoryLedger:
             comp = self._compartments[key] = _Compartment()
         return comp
 
-    def reserve_now(self, demand: Demand) -> LedgerAnswer:
-        """The atomic step itself, synchronous: check every dimension, then take them all."""
+    def reserve_now(self, demand: Demand, also: Usage | None = None) -> LedgerAnswer:
+        """The atomic step itself, synchronous: check every dimension, then take them all.
+
+        ``also``: usage held elsewhere that counts against the same limits (the gate's own
+        Redis leases of this compartment while it admits locally); it is reported in the
+        answer's usage but never taken or released here.
+        """
         now = self._clock()
         comp = self._compartment(demand.cluster, demand.class_name)
         lim, need = demand.limits, demand.tokens
         level = comp.refill(lim, now)
+        tokens = comp.tokens + (also.inflight_tokens if also else 0)
+        count = comp.count + (also.concurrent if also else 0)
         fits = (
-            (not lim.max_inflight_tokens or comp.tokens + need <= lim.max_inflight_tokens)
-            and (not lim.max_concurrent or comp.count + 1 <= lim.max_concurrent)
+            (not lim.max_inflight_tokens or tokens + need <= lim.max_inflight_tokens)
+            and (not lim.max_concurrent or count + 1 <= lim.max_concurrent)
             and (not lim.burst_tokens or level >= need)
         )
         if not fits:
-            return comp.answer(False, None, level, now)
+            return comp.answer(False, None, level, now, also)
         if lim.burst_tokens:
             level -= need
             comp.level, comp.level_at = level, now
@@ -104,7 +117,7 @@ class MemoryLedger:
         lease = f"m{next(self._ids)}"
         comp.leases[lease] = need
         ticket = Ticket(demand.cluster, demand.class_name, need, lease, self.store)
-        return comp.answer(True, ticket, level, now)
+        return comp.answer(True, ticket, level, now, also)
 
     async def reserve(self, demand: Demand) -> LedgerAnswer:
         return self.reserve_now(demand)

@@ -127,7 +127,8 @@ async def test_a_reserve_that_times_out_leaves_no_phantom(server: RedisServer, h
     limits = Limits.of(route.request_class.budget)
     await warm_up(gate, facts, route)
 
-    join = stall(server, how, 0.6)
+    # Long enough that the admission below surely meets the stall on a busy machine.
+    join = stall(server, how, 1.5)
     try:
         out = await gate.admit(facts, route)
         assert isinstance(out, Admitted) and out.ticket.store == "memory"
