@@ -558,6 +558,8 @@ def summarize(results: list[WrkResult]) -> list[str]:
             cpu_ratio,
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if len(lines) == 2:
+        lines = []  # envoy / bare not run (--setups): no such rows
     multi = sorted({r.setup for r in results if r.setup.startswith(WORKER_SETUP)})
     lines += _against_extproc(by, multi, "rps: extproc (1 worker) / ", with_ratio=True)
     extras = sorted({r.setup for r in results if "+" in r.setup})
