@@ -75,6 +75,13 @@ class ProcessorConfig(Strict):
     # cost metrics. Costs one more ext_proc exchange per response (two or more for streams):
     # off by default, measured by `extproc bench overhead --inspect-usage`.
     inspect_usage: bool = False
+    # SIGTERM (a deploy): the replica reports NOT_SERVING and keeps taking new ext_proc streams
+    # for drain_delay_s (what Envoy's health checks, 1 s apart, or a Kubernetes endpoint update
+    # need to send new streams elsewhere), then refuses new ones and keeps serving the streams
+    # of requests in flight until they end, at most drain_timeout_s more. None: the longest
+    # request the config allows (extproc.config.drain), unbounded when no timer bounds one.
+    drain_delay_s: float = Field(default=5.0, ge=0)
+    drain_timeout_s: float | None = Field(default=None, ge=0)
 
 
 class ClusterConfig(Strict):

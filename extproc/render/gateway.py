@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from extproc.config.drain import termination_grace_s
 from extproc.config.runtime import Runtime
 from extproc.core.fleet import Cluster
 from extproc.names import BUFFER_HEADROOM, ROUTE_HEADER
@@ -334,6 +335,12 @@ def render_deployment(runtime: Runtime, opts: GatewayOptions) -> Json:
         },
         "spec": {
             "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+            # A deploy must not cut a running request: on SIGTERM the processor keeps serving
+            # the ext_proc streams of requests in flight until they end (extproc.serve.drain);
+            # Kubernetes must not SIGKILL it before its drain can end. No preStop hook: the
+            # processor itself keeps taking new streams for processor.drain_delay_s after
+            # SIGTERM, while the endpoint update reaches Envoy.
+            "terminationGracePeriodSeconds": termination_grace_s(runtime.config),
             "containers": [_container(runtime, opts)],
             "volumes": [{"name": "config", "configMap": {"name": PROCESSOR}}],
             "topologySpreadConstraints": [

@@ -40,7 +40,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--envoy-cds", default=None, help="keep this Envoy CDS file in step with fleet.yaml"
     )
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds to drain on SIGTERM")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        help="after SIGTERM, serve in-flight streams at most this long once new ones are refused"
+        " (default processor.drain_timeout_s: the longest request the config allows)",
+    )
+    parser.add_argument(
+        "--drain-delay",
+        type=float,
+        default=None,
+        help="after SIGTERM, keep taking new streams this long while Envoy moves them to other"
+        " replicas (default processor.drain_delay_s)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed for retry-after jitter")
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
@@ -150,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             log_level=args.log_level,
             uvloop=not args.no_uvloop,
             grace_s=args.grace,
+            drain_delay_s=args.drain_delay,
             workers=workers,
             worker_index=args.worker_index,
             overrides=Overrides(

@@ -8,9 +8,10 @@ Lifecycle:
   rejected with its errors logged and the old runtime keeps serving; a valid one replaces the
   runtime in one reference assignment (placement of existing sessions moves only as consistent
   hashing moves it: ≈1/N on adding or removing one of N clusters);
-- SIGTERM/SIGINT: report NOT_SERVING, stop taking new streams, let in-flight ones finish within
-  the grace period (then cancel them; each stream's ``finally`` releases its budget), close the
-  gate, exit 0.
+- SIGTERM/SIGINT: drain (extproc.serve.drain): report NOT_SERVING, keep taking new streams
+  until Envoy has moved them to other replicas, then serve the streams of requests in flight
+  until they end (their budgets are released then), at most the configured limit, which
+  defaults to the longest request the config allows; close the gate, exit 0.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from extproc.config import ConfigError, Runtime, load_runtime
+from extproc.config.drain import drain_times
 from extproc.config.label_secret import LabelSecret, warn_if_per_process
 from extproc.config.load import runtime_from_bytes
 from extproc.config.runtime import Overrides, with_sketch
@@ -50,6 +52,7 @@ from extproc.redis_client import bounded_client
 from extproc.redis_health import RedisHealth
 from extproc.render.envoy_dynamic import write_cds, write_cds_union
 from extproc.serve.admin import AdminApp, start_admin
+from extproc.serve.drain import drain
 
 log = logging.getLogger("extproc.serve")
 
@@ -64,7 +67,9 @@ class ServeOptions:
     metrics_port: int | None = None
     log_level: str = "info"
     uvloop: bool = True
-    grace_s: float = 10.0
+    # Overrides of processor.drain_timeout_s / drain_delay_s (None: the config's).
+    grace_s: float | None = None
+    drain_delay_s: float | None = None
     watch_interval_s: float = 1.0
     # Multi-process serving: this process is worker `worker_index` of `workers`, sharing the
     # gRPC port through SO_REUSEPORT on purpose.
@@ -331,12 +336,10 @@ class Service:
         print(f"READY grpc={self.grpc_port} metrics={self.metrics_port}", flush=True)
         await self._stop.wait()
         self.draining = True
-        log.info("draining", extra={"grace_s": self.opts.grace_s, "streams": processor.active})
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        # New streams are refused at once; open ones get the grace period, then are cancelled
-        # (and release their budget in their finally blocks).
-        await server.stop(self.opts.grace_s)
+        times = drain_times(self.holder.current.config, self.opts.grace_s, self.opts.drain_delay_s)
+        report = await drain(server, lambda: processor.active, times, time.monotonic)
         for watcher in watchers:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -349,7 +352,14 @@ class Service:
             await self.endpoint_health.close()
         await self.loop_monitor.stop()
         await runner.cleanup()
-        log.info("stopped", extra={"held_after_drain": self.gate.held})
+        log.info(
+            "stopped",
+            extra={
+                "held_after_drain": self.gate.held,
+                "drain_s": round(report.seconds, 3),
+                "streams_cut": report.cut,
+            },
+        )
         return 0
 
 
