@@ -148,6 +148,10 @@ class FleetStack:
     access_log: bool = True
     # Envoy reads its clusters from a CDS file that the processor rewrites on config reload.
     dynamic_cds: bool = False
+    # How long a processor keeps taking new streams after SIGTERM (serve --drain-delay). None:
+    # none with one replica (no other replica to move them to), else 2 s: Envoy's extproc health
+    # checks run every 1 s with a 0.5 s timeout, so it has seen NOT_SERVING by then.
+    drain_delay_s: float | None = None
 
     sims: dict[str, Proc] = field(default_factory=dict, init=False)
     sim_specs: dict[str, SimSpec] = field(default_factory=dict, init=False)
@@ -304,6 +308,10 @@ class FleetStack:
 
     def start_processor(self, index: int = 0, extra: Sequence[str] = ()) -> Proc:
         argv = [sys.executable, "-m", "extproc", "serve", "--config", str(self.fleet_path)]
+        delay = self.drain_delay_s
+        if delay is None:
+            delay = 0.0 if self.processors <= 1 else 2.0
+        argv += ["--drain-delay", f"{delay:g}"]
         argv += list(self.processor_args) + list(extra)
         if self.dynamic_cds:
             argv += ["--envoy-cds", str(self.cds_path)]
@@ -432,9 +440,14 @@ class FleetStack:
         return samples
 
     def stop(self) -> None:
-        for proc in [self.envoy, *self.procs, *self.sims.values()]:
-            if proc is not None:
-                proc.stop()
+        if self.envoy is not None:
+            self.envoy.stop()
+        # Processors drain on SIGTERM (serve --drain-delay): signal them all, then wait, so that
+        # their drains overlap instead of adding up.
+        for proc in self.procs:
+            proc.signal(signal.SIGTERM)
+        for proc in [*self.procs, *self.sims.values()]:
+            proc.stop()
 
     def __enter__(self) -> FleetStack:
         return self.start()
