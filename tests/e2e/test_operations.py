@@ -182,7 +182,13 @@ def test_sigterm_drains_without_losing_requests_or_budget(
             clusters=2,
             # Requests take ~0.3 s so that some are in flight when the signal arrives.
             sim_args=("--time-scale", "0.1", "--decode-tps", "50"),
-            fleet_overrides={"classes": classes, "redis": {"url": redis_server.url}},
+            # timeout_ms: on a loaded test machine Redis can take more than the default 50 ms;
+            # a release that times out leaves its lease to expire (lease_ttl_s), not to be
+            # checked right after the drain.
+            fleet_overrides={
+                "classes": classes,
+                "redis": {"url": redis_server.url, "timeout_ms": 1000},
+            },
         )
         with stack:
             statuses: collections.Counter[int] = collections.Counter()
