@@ -5,11 +5,13 @@ ext_proc stream of every request in flight open until Envoy ends it with the req
 budget is released then). Envoy keeps that stream open for the whole HTTP exchange, so the
 drain lasts as long as the longest request in flight.
 
-The default bound is the longest request the config allows: the processor's two request phases
-(headers, then the whole body), each within Envoy's ext_proc ``message_timeout``, then the
-route timeout, which Envoy starts once the whole request was received and which covers every
-retry and the last byte of a streamed response. With ``route_timeout_s: 0`` (no timer ends a
-generation) nothing bounds a request, and the default drain waits for every one of them.
+The default bound is the longest request the config allows: receiving it
+(``request_receive_timeout_s``), the processor's two request phases (headers, then the whole
+body), each within Envoy's ext_proc ``message_timeout`` (counted on top, though Envoy's receive
+timer may already cover them), then the route timeout, which Envoy starts once the whole request
+was received and which covers every retry and the last byte of a streamed response. With
+``route_timeout_s: 0`` (the default: no timer ends a generation) or no receive timeout nothing
+bounds a request, and the default drain waits for every one of them.
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ class DrainTimes:
 
 def longest_request_s(config: FleetConfig) -> float | None:
     """The longest an ext_proc stream can stay open under this config; None: no bound."""
-    route = config.listener.route_timeout_s
-    if route <= 0:
+    listener = config.listener
+    route, receive = listener.route_timeout_s, listener.request_receive_timeout_s
+    if route <= 0 or receive <= 0:
         return None
     phases = 2 * config.processor.message_timeout_ms / 1000
-    return route + phases
+    return receive + phases + route
 
 
 def drain_times(

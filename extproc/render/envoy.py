@@ -484,7 +484,10 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
                 },
                 # Several processor replicas may sit behind this name (compose aliases, a
                 # headless Service): drop a dead one fast via the gRPC health service, and
-                # eject one that resets streams, instead of failing requests open.
+                # eject one that resets streams, instead of failing requests open. A draining
+                # replica answers NOT_SERVING: within interval + timeout (< its
+                # processor.drain_delay_s) new streams go to the others while its open streams
+                # continue (Envoy closes no connection on a failed health check).
                 "health_checks": [
                     {
                         "timeout": "0.5s",

@@ -30,15 +30,24 @@ def _config(**sections: Any) -> FleetConfig:
     )
 
 
-def test_longest_request_is_both_request_phases_then_the_route_timeout() -> None:
-    cfg = _config(listener={"route_timeout_s": 600}, processor={"message_timeout_ms": 3000})
-    assert longest_request_s(cfg) == 606.0
-    assert drain_times(cfg) == DrainTimes(delay_s=5.0, limit_s=606.0)
-    assert drain_times(cfg).total_s == 611.0
+def test_longest_request_is_receive_then_both_request_phases_then_the_route_timeout() -> None:
+    cfg = _config(
+        listener={"route_timeout_s": 600, "request_receive_timeout_s": 60},
+        processor={"message_timeout_ms": 3000},
+    )
+    assert longest_request_s(cfg) == 666.0
+    assert drain_times(cfg) == DrainTimes(delay_s=5.0, limit_s=666.0)
+    assert drain_times(cfg).total_s == 671.0
+
+
+def test_an_unbounded_upload_means_no_drain_limit() -> None:
+    cfg = _config(listener={"route_timeout_s": 600, "request_receive_timeout_s": 0})
+    assert longest_request_s(cfg) is None
 
 
 def test_no_route_timeout_means_no_drain_limit() -> None:
-    cfg = _config(listener={"route_timeout_s": 0})
+    cfg = _config()  # the defaults: no timer ends a generation
+    assert cfg.listener.route_timeout_s == 0
     assert longest_request_s(cfg) is None
     assert drain_times(cfg).limit_s is None
     assert drain_times(cfg).total_s is None
@@ -58,14 +67,14 @@ def test_configured_drain_timeout_wins_and_flags_win_over_it() -> None:
 def test_rendered_deployment_waits_for_the_whole_drain() -> None:
     raw = b"""
 version: 1
-listener: {route_timeout_s: 1800}
+listener: {route_timeout_s: 1800, request_receive_timeout_s: 120}
 processor: {message_timeout_ms: 2000, drain_delay_s: 5}
 clusters: [{name: c1, endpoints: ["c1:8000"]}]
 """
     runtime = runtime_from_bytes(raw, "fleet.yaml")
     pod = render_deployment(runtime, GatewayOptions())["spec"]["template"]["spec"]
-    # 5 s taking new streams + 1804 s for the longest request + 5 s to shut down.
-    assert pod["terminationGracePeriodSeconds"] == 1814
+    # 5 s taking new streams + 1924 s for the longest request + 5 s to shut down.
+    assert pod["terminationGracePeriodSeconds"] == 1934
     assert "lifecycle" not in pod["containers"][0]
 
 
@@ -140,3 +149,14 @@ async def test_unbounded_drain_never_passes_none_to_grpc(limit: float | None) ->
     report = await drain(server, lambda: 0, DrainTimes(0.0, limit), time.monotonic, 0.005)
     assert server.graces == [FOREVER_S if limit is None else 0.0]
     assert report.cut == 0
+
+
+def test_envoy_sees_a_draining_replica_before_it_refuses_new_streams() -> None:
+    runtime = runtime_from_bytes(b"version: 1\nclusters: [{name: c1, endpoints: [h:1]}]\n", "f")
+    clusters = render_bootstrap(runtime)["static_resources"]["clusters"]
+    extproc = next(c for c in clusters if c["name"] == "extproc")
+    (check,) = extproc["health_checks"]
+    assert "grpc_health_check" in check and check["unhealthy_threshold"] == 1
+    assert "close_connections_on_host_health_failure" not in extproc
+    seconds = float(check["interval"].rstrip("s")) + float(check["timeout"].rstrip("s"))
+    assert seconds < drain_times(runtime.config).delay_s
