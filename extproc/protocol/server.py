@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
@@ -27,6 +28,16 @@ from extproc.protocol import responses
 from extproc.protocol.state import StreamState
 
 log = logging.getLogger("extproc.server")
+
+# Body modes in which Envoy may send a request body in more than one message.
+_PARTIAL_BODY_MODES = frozenset(
+    {
+        processing_mode_pb2.ProcessingMode.STREAMED,
+        processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL,
+        processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED,
+        processing_mode_pb2.ProcessingMode.GRPC,
+    }
+)
 
 Handler = Callable[[StreamState, Any], Awaitable[ep.ProcessingResponse]]
 
@@ -59,7 +70,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._handlers: dict[str, Handler] = {
             "request_headers": self._on_request_headers,
             "request_body": self._on_request_body,
-            "request_trailers": self._pass(responses.CONTINUE_TRAILERS),
+            # Asked for (SEND): Envoy sends it only for requests that have trailers.
+            "request_trailers": self._on_request_trailers,
             # Asked for only when affinity is on: the clusters' load reports ride on them.
             "response_headers": self._on_response_headers,
             # Asked for only when usage inspection is on (cost metrics).
@@ -112,6 +124,11 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         msg = request.request_headers
         state.headers = _header_map(msg.headers)
         state.request_id = state.headers.get("x-request-id", "")
+        if request.HasField("protocol_config"):
+            # Sent with the stream's first message (Envoy 1.40). Without it (older Envoys),
+            # BUFFERED is assumed: it is what the rendered filter asks for.
+            mode = request.protocol_config.request_body_mode
+            state.partial_bodies = mode in _PARTIAL_BODY_MODES
         api = inference_api(state.headers)
         if api is not None and not msg.end_of_stream:
             state.api = api
@@ -130,15 +147,28 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         state.decided = True
         body: bytes = msg.body
         self._metrics.body_bytes.observe(len(body))
-        if not msg.end_of_stream:
-            # BUFFERED mode delivers the whole body in one message; anything else means the
-            # filter is configured for streaming/partial bodies, which would hash truncated JSON.
+        if not msg.end_of_stream and state.partial_bodies:
+            # A STREAMED / BUFFERED_PARTIAL filter sends the body in pieces: deciding on the
+            # first one would hash truncated JSON.
             return responses.bad_request_response(self.pipeline.refuse_partial_body(api))
+        # BUFFERED: Envoy sends the body once it is whole, in one message: at the end of the
+        # stream, or, when the request has trailers, as they arrive, with end_of_stream=false
+        # (the trailers message follows this answer). Either way this is the whole body, and
+        # the answer's header mutation and clear_route_cache still route the request.
         outcome = await self.pipeline.decide(state.headers, body, started)
         answer = self._answer(state, outcome, responses.CONTINUE_BODY)
         if isinstance(outcome, (Routed, Rejected)):
             self._metrics.decision_seconds.observe(self._clock() - started)
         return answer
+
+    async def _on_request_trailers(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
+        if state.api is None or state.decided:
+            return responses.CONTINUE_TRAILERS
+        # Headers, then trailers, and no data: Envoy sends no body message at all, so this is
+        # the only chance to answer (the body is empty). An ImmediateResponse here is honoured.
+        state.decided = True
+        outcome = await self.pipeline.decide(state.headers, None, self._clock())
+        return self._answer(state, outcome, responses.CONTINUE_TRAILERS)
 
     def _answer(
         self, state: StreamState, outcome: Outcome, proceed: ep.ProcessingResponse

@@ -18,5 +18,9 @@ class StreamState:
     headers: dict[str, str] = field(default_factory=dict)
     api: Api | None = None  # set only for POSTs to an inference path that carry a body
     decided: bool = False
+    # The filter sends request bodies in pieces (its protocol_config says STREAMED,
+    # BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED or GRPC): a body message without end_of_stream is then
+    # not the whole body. In BUFFERED mode it is (trailers follow).
+    partial_bodies: bool = False
     # What a routed exchange holds (budget, in-flight count, usage scanner) until it ends.
     hold: Hold | None = None

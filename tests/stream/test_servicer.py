@@ -19,6 +19,7 @@ import orjson
 import pytest
 import yaml
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from prometheus_client import CollectorRegistry
@@ -411,10 +412,15 @@ async def test_a_partial_body_is_a_413_not_a_crash(
     start: Callable[..., Awaitable[Processor]],
 ) -> None:
     proc = await start()
+    # A filter configured to stream bodies says so in the stream's first message; only then is
+    # a body message without end_of_stream a piece (in BUFFERED mode it is the whole body,
+    # followed by trailers: tests/stream/test_servicer_trailers.py).
+    streamed = headers_msg(CHAT)
+    streamed.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.STREAMED
     head, first, rest = await exchange(
         proc,
         [
-            headers_msg(CHAT),
+            streamed,
             body_msg(b'{"messages": [{"role": "user", ', end_of_stream=False),
             body_msg(b'"content": "hi"}]}', end_of_stream=True),
         ],
