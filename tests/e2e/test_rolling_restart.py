@@ -37,6 +37,14 @@ def _concurrency(stack: FleetStack, name: str) -> dict[str, Any]:
     return doc
 
 
+def _warnings(stack: FleetStack) -> list[str]:
+    """The processors' warnings (e.g. the ledger falling back to local shares), for messages."""
+    lines = []
+    for path in sorted(stack.workdir.glob("extproc-*.log")):
+        lines += [ln[:300] for ln in path.read_text().splitlines() if '"level":"warning"' in ln]
+    return lines
+
+
 def _drain_lines(log: str) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in log.splitlines() if '"msg":"draining"' in line]
 
@@ -57,7 +65,7 @@ def test_rolling_restart_under_streaming_traffic(
                 "classes": classes,
                 # A loaded test machine can take more than the default 50 ms to answer; a replica
                 # that fell back to local budget shares would not enforce the fleet-wide one.
-                "redis": {"url": redis_server.url, "timeout_ms": 1000, "replicas": 2},
+                "redis": {"url": redis_server.url, "timeout_ms": 3000, "replicas": 2},
                 "processor": {"failure_mode": failure_mode},
             },
         )
@@ -98,7 +106,7 @@ def test_rolling_restart_under_streaming_traffic(
             peaks = {name: _concurrency(stack, name) for name in stack.sim_specs}
             for name, doc in peaks.items():
                 assert set(doc["total"]) == {"chat"}, (name, doc)  # never unclassified
-                assert doc["peak"]["chat"] <= BUDGET, (name, doc)
+                assert doc["peak"]["chat"] <= BUDGET, (name, doc, _warnings(stack))
             # The budget was reached: a check that it is never exceeded means something.
             assert max(doc["peak"]["chat"] for doc in peaks.values()) == BUDGET, peaks
         # Every reservation was released when its request ended.
