@@ -149,8 +149,8 @@ class FleetStack:
     # Envoy reads its clusters from a CDS file that the processor rewrites on config reload.
     dynamic_cds: bool = False
     # How long a processor keeps taking new streams after SIGTERM (serve --drain-delay). None:
-    # none with one replica (no other replica to move them to), else 2 s: Envoy's extproc health
-    # checks run every 1 s with a 0.5 s timeout, so it has seen NOT_SERVING by then.
+    # none with one replica (no other replica to move them to), else 3.5 s: Envoy's extproc
+    # health checks (every 1 s, 1 s timeout, two failures) have seen NOT_SERVING by then.
     drain_delay_s: float | None = None
 
     sims: dict[str, Proc] = field(default_factory=dict, init=False)
@@ -310,7 +310,7 @@ class FleetStack:
         argv = [sys.executable, "-m", "extproc", "serve", "--config", str(self.fleet_path)]
         delay = self.drain_delay_s
         if delay is None:
-            delay = 0.0 if self.processors <= 1 else 2.0
+            delay = 0.0 if self.processors <= 1 else 3.5
         argv += ["--drain-delay", f"{delay:g}"]
         argv += list(self.processor_args) + list(extra)
         if self.dynamic_cds:

@@ -33,8 +33,7 @@ RETRY_ON = ("connect-failure", "refused-stream", "reset-before-request", "retria
 RETRIABLE_STATUSES = (429, 503)
 # Consecutive local-origin failures (connect failures, timeouts) that eject a host.
 LOCAL_ORIGIN_EJECT_AFTER = 3
-# HTTP/2 flow-control windows for clients (see _http2_limits).
-H2_STREAM_WINDOW = 1 << 20
+# HTTP/2 flow-control window of a client connection, at least (see h2_windows).
 H2_CONNECTION_WINDOW = 16 << 20
 
 Json = dict[str, Any]
@@ -378,15 +377,25 @@ def _path_normalisation() -> Json:
     }
 
 
+def h2_windows(runtime: Runtime) -> tuple[int, int]:
+    """(stream, connection) flow-control windows for HTTP/2 clients (Envoy's defaults: 256 MiB).
+
+    Envoy 1.40 also takes the stream window as the HTTP/2 stream's buffer limit: with a 1 MiB
+    window, a 1.2 MB body got Envoy's own plain-text 413 before ext_proc saw it (observed, with
+    and without trailers). So the stream window is the buffer the largest allowed body needs,
+    the same as the listener's per-connection buffer."""
+    stream = runtime.config.processor.max_body_bytes + BUFFER_HEADROOM
+    return stream, max(H2_CONNECTION_WINDOW, stream)
+
+
 def _http2_limits(runtime: Runtime) -> Json:
-    """HTTP/2 clients: a bounded number of streams per connection, and flow-control windows
-    that bound what a client may send beyond Envoy's buffers (Envoy's defaults: 2^31 - 1 streams
-    and 256 MiB windows). A 1 MiB stream window still uploads a large body at 1 MiB per round
-    trip (10 MB/s at 100 ms)."""
+    """HTTP/2 clients: a bounded number of streams per connection (Envoy's default: 2^31 - 1),
+    and windows no larger than the largest allowed body needs."""
+    stream, connection = h2_windows(runtime)
     return {
         "max_concurrent_streams": runtime.config.listener.max_streams_per_connection,
-        "initial_stream_window_size": H2_STREAM_WINDOW,
-        "initial_connection_window_size": H2_CONNECTION_WINDOW,
+        "initial_stream_window_size": stream,
+        "initial_connection_window_size": connection,
     }
 
 
@@ -485,15 +494,18 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
                 # Several processor replicas may sit behind this name (compose aliases, a
                 # headless Service): drop a dead one fast via the gRPC health service, and
                 # eject one that resets streams, instead of failing requests open. A draining
-                # replica answers NOT_SERVING: within interval + timeout (< its
+                # replica answers NOT_SERVING: within 2 x interval + timeout = 3 s (< its
                 # processor.drain_delay_s) new streams go to the others while its open streams
-                # continue (Envoy closes no connection on a failed health check).
+                # continue (Envoy closes no connection on a failed health check). Two failures,
+                # not one, and a 1 s timeout: a replica that answers one check slowly (a busy
+                # machine) is not marked down; when every replica looked down at once, Envoy's
+                # panic routing sent a stream to a replica that was really gone (observed).
                 "health_checks": [
                     {
-                        "timeout": "0.5s",
+                        "timeout": "1s",
                         "interval": "1s",
                         "no_traffic_interval": "1s",
-                        "unhealthy_threshold": 1,
+                        "unhealthy_threshold": 2,
                         "healthy_threshold": 1,
                         "grpc_health_check": {},
                     }

@@ -35,11 +35,10 @@ from extproc.config.runtime import Runtime
 from extproc.core.fleet import Cluster
 from extproc.names import BUFFER_HEADROOM, ROUTE_HEADER
 from extproc.render.envoy import (
-    H2_CONNECTION_WINDOW,
-    H2_STREAM_WINDOW,
     LOCAL_ORIGIN_EJECT_AFTER,
     RETRIABLE_STATUSES,
     RETRY_ON,
+    h2_windows,
     internal_only_headers,
 )
 
@@ -705,8 +704,8 @@ def render_client_policy(runtime: Runtime, opts: GatewayOptions) -> Json:
             # Same HTTP/2 limits as the bootstrap (render/envoy.py _http2_limits).
             "http2": {
                 "maxConcurrentStreams": runtime.config.listener.max_streams_per_connection,
-                "initialStreamWindowSize": _quantity(H2_STREAM_WINDOW),
-                "initialConnectionWindowSize": _quantity(H2_CONNECTION_WINDOW),
+                "initialStreamWindowSize": _quantity(h2_windows(runtime)[0]),
+                "initialConnectionWindowSize": _quantity(h2_windows(runtime)[1]),
             },
             # Same normalisation as the bootstrap: the processor and the engines see one
             # canonical path, so no spelling of an inference path escapes placement and budgets.

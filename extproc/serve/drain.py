@@ -7,8 +7,9 @@ released when that stream ends, so cancelling a stream early is what broke deplo
 
 1. (the caller) reports NOT_SERVING on the gRPC health service;
 2. keeps taking new streams for ``delay_s``: Envoy's active health checks of the extproc
-   cluster (1 s apart) see NOT_SERVING and send new streams to the other replicas. A stream
-   refused before Envoy knows would fail (closed) or pass unbudgeted (open);
+   cluster (1 s apart, two failures: within 3 s) see NOT_SERVING and send new streams to the
+   other replicas. A stream refused before Envoy knows would fail (closed) or pass
+   unbudgeted (open);
 3. stops taking new streams and serves the open ones until they end, at most ``limit_s``
    longer (None: until they all end); only streams still open at that limit are cancelled,
    and their budgets are released as they end.

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +62,12 @@ def h2_post(
                 continue
             chunk = body[sent : sent + room]
             sent += len(chunk)
-            conn.send_data(sid, chunk, end_stream=sent == len(body) and not trailers)
+            try:
+                conn.send_data(sid, chunk, end_stream=sent == len(body) and not trailers)
+            except h2.exceptions.StreamClosedError:
+                break  # Envoy answered (and reset the stream) before the body was all sent
             sock.sendall(conn.data_to_send())
-        if trailers:
+        if trailers and sent == len(body):
             conn.send_headers(sid, list(trailers), end_stream=True)
             sock.sendall(conn.data_to_send())
         status = 0

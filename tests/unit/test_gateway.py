@@ -539,8 +539,9 @@ def test_client_policy_raises_buffer_limit_and_strips_fleet_headers() -> None:
     assert policy["spec"]["connection"]["connectionLimit"] == {"value": 10_000}
     assert policy["spec"]["http2"] == {
         "maxConcurrentStreams": 100,
-        "initialStreamWindowSize": "1Mi",
-        "initialConnectionWindowSize": "16Mi",
+        # The stream window is the HTTP/2 stream's buffer limit in Envoy: the largest body's.
+        "initialStreamWindowSize": "33Mi",
+        "initialConnectionWindowSize": "33Mi",
     }
     assert policy["spec"]["path"] == {
         "escapedSlashesAction": "UnescapeAndForward",

@@ -140,8 +140,10 @@ def test_edge_limits(defaults: dict[str, Any]) -> None:
     (listener,) = defaults["static_resources"]["listeners"]
     assert _hcm(defaults)["http2_protocol_options"] == {
         "max_concurrent_streams": 100,
-        "initial_stream_window_size": 1 << 20,
-        "initial_connection_window_size": 16 << 20,
+        # Envoy takes the stream window as the HTTP/2 stream's buffer limit: it must hold the
+        # largest allowed body (a 1 MiB window answered a 1.2 MB body with Envoy's own 413).
+        "initial_stream_window_size": (32 << 20) + BUFFER_HEADROOM,
+        "initial_connection_window_size": (32 << 20) + BUFFER_HEADROOM,
     }
     # Still admits the largest body the processor accepts.
     assert listener["per_connection_buffer_limit_bytes"] == (32 << 20) + BUFFER_HEADROOM
