@@ -26,6 +26,7 @@ import pytest
 
 from extproc.config import load_runtime
 from extproc.harness.launch import LOOPBACK, Client, FleetStack, wait_until
+from extproc.names import BUFFER_HEADROOM
 from tests.e2e.predict import placement_for
 
 CHAT = "/v1/chat/completions"
@@ -223,4 +224,7 @@ def test_http2_clients_get_a_bounded_number_of_streams(edge: FleetStack) -> None
                 if isinstance(event, h2.events.RemoteSettingsChanged):
                     settings = {k: v.new_value for k, v in event.changed_settings.items()}
     assert settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS] == 100
-    assert settings[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE] == 1 << 20
+    # Envoy takes the stream window as the HTTP/2 stream's buffer limit: it is the largest
+    # allowed body's buffer, or an HTTP/2 body above the window got Envoy's own 413.
+    want = MAX_BODY_BYTES + BUFFER_HEADROOM
+    assert settings[h2.settings.SettingCodes.INITIAL_WINDOW_SIZE] == want
