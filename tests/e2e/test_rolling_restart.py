@@ -24,7 +24,8 @@ from extproc.harness.launch import FleetStack, http_get, wait_until
 from tests.e2e.streaming_traffic import StreamingTraffic
 from tests.support.redis_server import RedisServer
 
-pytestmark = pytest.mark.timeout(150)
+# Generous: on a starved machine a processor takes tens of seconds to start (seen at load 25).
+pytestmark = pytest.mark.timeout(300)
 
 BUDGET = 3  # max_concurrent per cluster for the one class
 WORKERS = 8  # more streams wanted than 2 clusters x BUDGET admit
