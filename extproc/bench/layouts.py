@@ -109,7 +109,7 @@ def run_setup(
         processor_args=("--log-level", "warning"),
         access_log=False,
     )
-    stack.start()
+    stack.start(attempts=4)  # fresh ports each time: a shared busy machine loses some races
     try:
         options = ReplayOptions(speedup=speedup, concurrency=256, timeout_s=60.0)
         return _run(run_replay(list(requests), stack.url, options))

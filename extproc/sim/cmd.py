@@ -85,7 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sessions",
         type=int,
         default=None,
-        help="trace sessions to simulate: the base is copied (new ids, shifted times) to reach it",
+        help="trace sessions to simulate: the base is copied (new ids, shifted times) to reach it; "
+        "refused up front when the estimated memory exceeds --memory-limit-gb",
+    )
+    parser.add_argument(
+        "--memory-limit-gb",
+        type=float,
+        default=None,
+        help="refuse runs estimated above this (default: half of physical memory)",
     )
 
     fleet = parser.add_argument_group("fleet")
@@ -229,6 +236,10 @@ def run(args: argparse.Namespace) -> int:
         spill_wait_s=args.spill_wait,
         max_retries=args.max_retries,
         seed=args.seed,
+        memory_limit_bytes=(
+            int(args.memory_limit_gb * 2**30) if args.memory_limit_gb is not None else None
+        ),
+        jobs=args.jobs,
     )
     try:
         prepared = build(options, load_base(options))
