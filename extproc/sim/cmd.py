@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import TextIO
 
 from extproc.core.fleet import Budget
+from extproc.harness.layouts import LAYOUTS
 from extproc.sim.engine import run_all
 from extproc.sim.model import FleetShape
 from extproc.sim.policies import POLICIES
@@ -78,6 +79,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace")
     source.add_argument("--workload", choices=["synthetic"], help="built-in synthetic workload")
+    source.add_argument(
+        "--layout",
+        choices=[name for name in LAYOUTS if name != "responses"],
+        help="conversations behind one shared opening (extproc.harness.layouts)",
+    )
+    parser.add_argument(
+        "--key",
+        choices=["session", "opening", "chain"],
+        default="session",
+        help="how --layout requests are keyed: their session ids (a trusted header), or the "
+        "processor's prefix key on their prompts (opening: the old key; chain: the default)",
+    )
+    parser.add_argument("--layout-conversations", type=int, default=400)
     parser.add_argument(
         "--synthetic-duration", type=float, default=120.0, help="synthetic workload length (s)"
     )
@@ -221,6 +235,9 @@ def run(args: argparse.Namespace) -> int:
         events = tuple(args.event)
     options = SimOptions(
         trace=args.trace,
+        layout=args.layout,
+        layout_conversations=args.layout_conversations,
+        key=args.key,
         synthetic_duration_s=args.synthetic_duration,
         sessions=args.sessions,
         shape=shape,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from extproc.core.fleet import Budget, RequestClass
+from extproc.harness.layouts import LayoutConfig, generate_layout
 from extproc.harness.trace import read_trace
 from extproc.harness.workload import WorkloadConfig, generate_workload
 from extproc.sim.engine import PolicyRun, Scenario, SimConfig, prepare, run_all
@@ -32,6 +33,11 @@ from extproc.sim.traffic import (
 @dataclass(frozen=True, slots=True)
 class SimOptions:
     trace: str | None = None  # a Mooncake-format file; None = the synthetic workload
+    # A workload layout (extproc.harness.layouts) instead: conversations behind one shared
+    # opening, keyed by the processor's own key function (key: opening | chain) or by session.
+    layout: str | None = None
+    layout_conversations: int = 400
+    key: str = "session"
     synthetic_duration_s: float = 120.0
     sessions: int | None = None  # trace sessions wanted; None = the base once
     shape: FleetShape = field(default_factory=lambda: FleetShape(16, spares=1))
@@ -148,6 +154,16 @@ def classes_of(options: SimOptions) -> tuple[RequestClass, ...]:
 
 
 def load_base(options: SimOptions) -> BaseTraffic:
+    if options.layout is not None:
+        layout = LayoutConfig(
+            layout=options.layout, conversations=options.layout_conversations, seed=options.seed
+        )
+        return base_from_requests(
+            generate_layout(layout),
+            f"layout {options.layout} ({options.key} key)",
+            options.key,
+            options.shape.clusters,
+        )
     if options.trace is not None:
         trace = read_trace(options.trace)
         if not trace.requests:
@@ -166,6 +182,10 @@ def build(options: SimOptions, base: BaseTraffic | None = None) -> Prepared:
     shape = options.shape
     classes = classes_of(options)
     copies = copies_for(base, options.sessions) if options.sessions else 1
+    if options.layout is not None and options.sessions:
+        # A layout's sessions are its conversations, however the key groups them (the old
+        # key makes them all one session): copy the layout to reach that many conversations.
+        copies = max(1, -(-options.sessions // options.layout_conversations))
     check_size(options, len(base), copies)
     # Offered prefill work if every cluster cached perfectly, per second of the trace period
     # (bursts excluded: they are overload by design). Copies of a base whose sessions share

@@ -22,13 +22,18 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import orjson
 
+from extproc.core.api import BadRequest
+from extproc.core.chains import ChainParams, ChainSketch
+from extproc.core.facts import ParseLimits, parse_request
 from extproc.core.fleet import RequestClass, classify
-from extproc.core.keys import KeySource, hash_key
+from extproc.core.keys import KeyRules, KeySource, hash_key
 from extproc.harness.prompts import BLOCK_TOKENS, block_hashes, canonical_prompt, count_tokens
 from extproc.harness.trace import Trace
 from extproc.harness.workload import ReplayRequest
 
+_JSON = {"content-type": "application/json"}
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
 
@@ -131,11 +136,36 @@ def base_from_trace(trace: Trace) -> BaseTraffic:
     )
 
 
-def base_from_requests(requests: Sequence[ReplayRequest], source: str) -> BaseTraffic:
+def processor_sessions(requests: Sequence[ReplayRequest], key: str, clusters: int) -> list[str]:
+    """Each request's session as the processor would key it from its prompt alone (no session
+    header): ``key`` is ``opening`` or ``chain`` (prefix.key), run over the requests in arrival
+    order with one chain sketch, as one processor would see them. Labels ``key:<digest hex>``
+    carry the processor's own placement point (see ``_points``)."""
+    rules = KeyRules(
+        header=None,
+        body_fields=(),
+        prefix_key="chain" if key == "chain" else "opening",
+        sketch=ChainSketch(ChainParams(clusters=clusters)) if key == "chain" else None,
+    )
+    out = []
+    for request in requests:
+        body = orjson.dumps(request.materialize())
+        facts = parse_request(request.path, _JSON, body, rules, ParseLimits(1 << 30))
+        if isinstance(facts, BadRequest):
+            raise ValueError(f"request {request.session_id}: {facts.message}")
+        out.append("key:" + facts.session.digest.hex())
+    return out
+
+
+def base_from_requests(
+    requests: Sequence[ReplayRequest], source: str, key: str = "session", clusters: int = 8
+) -> BaseTraffic:
     """The synthetic workload (or any replay requests): keys are the prompts' chained hashes.
 
     Only full blocks are hashed (as vLLM caches only full blocks), so a prompt's last partial
-    block is never a hit. Sessions are the generator's session ids.
+    block is never a hit. Sessions are the generator's session ids (``key="session"``, as if
+    every client sent a session header), or what the processor's own key function makes of
+    the prompts (``key="opening"`` / ``"chain"``: :func:`processor_sessions`).
     """
     dense: dict[int, int] = {}
     session_ix: dict[str, int] = {}
@@ -143,11 +173,12 @@ def base_from_requests(requests: Sequence[ReplayRequest], source: str) -> BaseTr
     sessions: list[int] = []
     inputs: list[int] = []
     ordered = sorted(requests, key=lambda r: r.arrival_s)
-    for request in ordered:
+    keyed = processor_sessions(ordered, key, clusters) if key != "session" else None
+    for n, request in enumerate(ordered):
         prompt = canonical_prompt(request.api, request.materialize())
         keys.append(tuple(dense.setdefault(h, len(dense) + 1) for h in block_hashes(prompt)))
         inputs.append(max(1, count_tokens(prompt)))
-        label = request.session_id or f"anon-{len(session_ix)}"
+        label = keyed[n] if keyed else (request.session_id or f"anon-{len(session_ix)}")
         sessions.append(session_ix.setdefault(label, len(session_ix)))
     return BaseTraffic(
         times=tuple(r.arrival_s for r in ordered),
@@ -219,14 +250,18 @@ class Traffic:
         return self.templates[i] >= len(self.base)
 
 
-def _points(labels: Sequence[str]) -> npt.NDArray[np.uint64]:
+def _point(label: str) -> int:
+    if label.startswith("key:") and "/" not in label:
+        # A session keyed by the processor from its prompt: its own placement point.
+        return int(label[4:20], 16)
     # The processor's own key function for a session id sent in a trusted header: the same
-    # 64-bit point the live gateway would place this session with.
-    return np.fromiter(
-        (hash_key(KeySource.HEADER, label.encode()).point for label in labels),
-        dtype=np.uint64,
-        count=len(labels),
-    )
+    # 64-bit point the live gateway would place this session with. (Copies of prompt-keyed
+    # sessions are other tenants' prompts: a key of their own.)
+    return hash_key(KeySource.HEADER, label.encode()).point
+
+
+def _points(labels: Sequence[str]) -> npt.NDArray[np.uint64]:
+    return np.fromiter((_point(label) for label in labels), dtype=np.uint64, count=len(labels))
 
 
 def copy_label(label: str, copy: int) -> str:
