@@ -188,6 +188,37 @@ def format_table(layout: str, ideal: float, rows: Sequence[Row], requests: int) 
     return "\n".join(lines)
 
 
+def parse_cost(layouts: Sequence[str], config: LayoutConfig, repeats: int = 5) -> str:
+    """Microseconds per request to parse and key the layouts' requests, old key vs chain key,
+    measured side by side in one process (best of ``repeats`` passes, alternating keys)."""
+    from extproc.core.chains import ChainSketch
+    from extproc.core.facts import ParseLimits, parse_request
+    from extproc.core.keys import KeyRules
+
+    headers = {"content-type": "application/json"}
+    lines = [
+        "| layout | body KiB (mean) | opening key µs/request | chain key µs/request | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for layout in layouts:
+        requests = generate_layout(dataclasses.replace(config, layout=layout))
+        bodies = [(r.path, orjson.dumps(r.materialize())) for r in requests]
+        best = {"opening": float("inf"), "chain": float("inf")}
+        for _ in range(repeats):
+            for key in ("opening", "chain"):
+                rules = KeyRules(prefix_key=key, sketch=ChainSketch())
+                started = time.perf_counter()
+                for path, body in bodies:
+                    parse_request(path, headers, body, rules, ParseLimits())
+                best[key] = min(best[key], (time.perf_counter() - started) / len(bodies))
+        kib = sum(len(b) for _, b in bodies) / len(bodies) / 1024
+        lines.append(
+            f"| {layout} | {kib:.1f} | {best['opening'] * 1e6:.0f} | {best['chain'] * 1e6:.0f} "
+            f"| {best['chain'] / best['opening']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts", default=",".join(ENVOY_LAYOUTS))
     parser.add_argument("--conversations", type=int, default=800)
@@ -196,6 +227,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speedup", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="out/bench-layouts")
+    parser.add_argument(
+        "--parse-only",
+        action="store_true",
+        help="no Envoy: the CPU cost of parsing + keying each layout, old key vs chain key",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -204,9 +240,12 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown or non-Envoy layouts: {unknown}; choose from {ENVOY_LAYOUTS}")
         return 2
+    config = LayoutConfig(conversations=args.conversations, turns=args.turns, seed=args.seed)
+    if args.parse_only:
+        print(parse_cost(layouts, config))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = LayoutConfig(conversations=args.conversations, turns=args.turns, seed=args.seed)
     report: dict[str, Mapping[str, Any]] = {}
     for layout in layouts:
         ideal, rows = run_layout(layout, config, args.clusters, args.speedup, out)
