@@ -145,6 +145,9 @@ class FleetStack:
     processor_args: tuple[str, ...] = ()
     processor_env: Mapping[str, str] = field(default_factory=dict)
     envoy_concurrency: int = 1
+    # How long a simulated cluster may take to answer /health after its start (a process
+    # start: longer on a loaded machine).
+    sim_start_timeout_s: float = 20.0
     access_log: bool = True
     # Envoy reads its clusters from a CDS file that the processor rewrites on config reload.
     dynamic_cds: bool = False
@@ -255,7 +258,11 @@ class FleetStack:
             for spec in self.sim_specs.values():
                 self.start_sim(spec.name)
             for spec in self.sim_specs.values():
-                wait_until(lambda p=spec.port: _ok(p, "/health"), 20, f"sim cluster {spec.name}")
+                wait_until(
+                    lambda p=spec.port: _ok(p, "/health"),
+                    self.sim_start_timeout_s,
+                    f"sim cluster {spec.name}",
+                )
             if self.mode == "extproc":
                 for i in range(self.processors):
                     self.start_processor(i)
