@@ -29,7 +29,6 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from extproc.core.affinity import AffinityParams, Decision, Override, SessionView
@@ -38,7 +37,7 @@ from extproc.core.hotkeys import HotKeys
 from extproc.core.keys import KeySource
 from extproc.core.load import ClusterLoad, FleetSnapshot, LoadReport
 from extproc.metrics import Metrics
-from extproc.redis_client import bounded_client
+from extproc.redis_client import AnyRedis, any_client
 from extproc.redis_health import PROBE_INTERVAL_S, RedisHealth
 
 log = logging.getLogger("extproc.affinity")
@@ -147,7 +146,7 @@ class SessionMemory:
 class RedisSessions:
     """Seen marks and overrides shared by every replica (see the module docstring)."""
 
-    def __init__(self, client: Redis, prefix: str, timeout_s: float) -> None:
+    def __init__(self, client: AnyRedis, prefix: str, timeout_s: float) -> None:
         self.client = client
         self.prefix = prefix
         self.timeout_s = timeout_s
@@ -158,7 +157,8 @@ class RedisSessions:
     ) -> RedisSessions:
         # No client-side retries, as for the ledger: the answer to an unreachable Redis
         # belongs to FleetState.
-        return cls(bounded_client(url, timeout_s, max_connections), prefix, timeout_s)
+        # Same URL forms as the ledger (redis+cluster:// for Redis Cluster).
+        return cls(any_client(url, timeout_s, max_connections), prefix, timeout_s)
 
     def _keys(self, key: bytes) -> tuple[str, str]:
         base = f"{self.prefix}:aff:{key.hex()}"

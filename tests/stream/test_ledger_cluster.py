@@ -12,7 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.core.admission import Admitted, Limits, Reject, Ticket
+from extproc.core.affinity import Override
 from extproc.ledger.redis import RedisLedger, compartment_keys
+from extproc.pipeline.fleet_state import RedisSessions
 from tests.stream.test_ledger_redis import gate_for, request, runtime, sample
 from tests.support.redis_server import RedisClusterServers, command
 
@@ -139,3 +141,19 @@ async def test_primary_failover_recovers_the_budget_and_leaks_nothing(
     await gate.close()
     cluster.node(victim).start()  # back as a replica of the new primary
     cluster.wait_ok()
+
+
+async def test_the_session_store_runs_on_the_cluster_url_too(cluster: RedisClusterServers) -> None:
+    """The processor opens its affinity session store on the same redis.url as the ledger, so
+    a redis+cluster:// URL must work there as well (seen marks and overrides)."""
+    sessions = RedisSessions.from_url(cluster.url, timeout_s=2.0)
+    try:
+        key = b"\x01" * 16
+        assert await sessions.lookup(key, 100.0, 60.0) == (False, None)
+        seen, override = await sessions.lookup(key, 101.0, 60.0)
+        assert seen is True and override is None
+        await sessions.write(key, Override("c2", 130.0), 101.0)
+        seen, override = await sessions.lookup(key, 102.0, 60.0)
+        assert seen is True and override is not None and override.cluster == "c2"
+    finally:
+        await sessions.close()
