@@ -144,7 +144,8 @@ def test_operator_timeouts_are_honoured(operator: FleetStack) -> None:
     assert s["status"] == 200 and not s["complete"], s
     assert b"[DONE]" not in s["body"] and s["body"].startswith(b"data: ")
     assert 2.5 < s["seconds"] < 6, s["seconds"]
-    assert w["status"] == 504 and w["body"] == b"upstream request timeout", w
+    # Envoy's own answer (rendered as a JSON error by the local reply config).
+    assert w["status"] == 504 and b"upstream request timeout" in w["body"], w
     assert w["seconds"] < 3, w["seconds"]
     # UT: upstream request timeout, for both cut requests.
     assert _flags(operator, 3) == ["-", "UT", "UT"]
@@ -168,6 +169,6 @@ def test_operator_stream_idle_timeout_ends_only_silent_requests(idle: FleetStack
     assert s["status"] == 200 and s["complete"], s
     assert s["body"].rstrip().endswith(b"data: [DONE]")
     assert s["seconds"] > 3, s["seconds"]
-    assert w["status"] == 504 and w["body"] == b"stream timeout", w
+    assert w["status"] == 504 and b"stream timeout" in w["body"], w
     assert w["seconds"] < 4, w["seconds"]
     assert _flags(idle, 2) == ["-", "SI"]
