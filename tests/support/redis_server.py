@@ -14,6 +14,8 @@ cache node replaced by a fresh one. Use it as a pytest fixture with ``yield`` in
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 import shutil
 import signal
 import socket
@@ -42,6 +44,17 @@ def ping(port: int, timeout: float = 0.5) -> bool:
             return sock.recv(64).startswith(b"+PONG")
     except OSError:
         return False
+
+
+@functools.cache
+def _debug_command_args(executable: str) -> tuple[str, ...]:
+    """DEBUG SLEEP is how fault tests make Redis busy; Redis 7 turned DEBUG off by default
+    and added the option that turns it back on (older servers reject the option)."""
+    out = subprocess.run([executable, "--version"], capture_output=True, text=True, check=False)
+    match = re.search(r"v=(\d+)\.", out.stdout)
+    if match is None or int(match.group(1)) < 7:
+        return ()
+    return ("--enable-debug-command", "local")
 
 
 class RedisServer:
@@ -93,9 +106,7 @@ class RedisServer:
             str(self.log_path),
             "--daemonize",
             "no",
-            # DEBUG SLEEP is how fault tests make Redis busy (off by default since Redis 7).
-            "--enable-debug-command",
-            "local",
+            *_debug_command_args(self.executable),
             *self.extra_args,
         ]
 
