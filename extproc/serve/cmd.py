@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="worker processes sharing the gRPC port via SO_REUSEPORT (default processor.workers);"
-        " without Redis each enforces 1/N of every budget",
+        " budgets then need redis.url (shared ledger); without it a budget is a config error",
     )
     parser.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument(
