@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -73,6 +75,11 @@ def draw_pool(size: int, seed: int) -> list[Case]:
     return pool
 
 
+# Set by SIGINT/SIGTERM: stop generating and report what ran (a long run on a busy machine
+# can be cut short and still give its figures).
+STOP = threading.Event()
+
+
 def generate(
     total: int, seed: int, batch: int, sink: Callable[[list[Case]], None], pool_size: int
 ) -> int:
@@ -80,7 +87,13 @@ def generate(
     pool = draw_pool(min(total, pool_size), seed)
     made = 0
     pending: list[Case] = []
+    started = time.monotonic()
     for case in recombine(pool, total, seed):
+        if STOP.is_set():
+            print(f"fuzz: stopped after {made} of {total} cases", flush=True)
+            break
+        if made and made % 5000 == 0:
+            print(f"fuzz: {made} cases, {time.monotonic() - started:.0f} s", flush=True)
         made += 1
         pending.append(case)
         if len(pending) >= batch:
@@ -157,6 +170,8 @@ def print_report(data: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: STOP.set())
     started = time.monotonic()
     if args.target == "stream":
         tally, leftovers = run_stream_fuzz(args.cases, args.seed, args.batch, args.pool)
@@ -168,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         )
     data = report(tally, leftovers, args.target, time.monotonic() - started)
     data["pool"] = min(args.pool, args.cases)
+    data["stopped_early"] = tally.cases < args.cases
     data["command"] = (
         f"extproc fuzz --target {args.target} --cases {args.cases} --seed {args.seed}"
         f" --pool {args.pool}" + (" --response-phases" if args.response_phases else "")
