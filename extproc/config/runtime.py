@@ -147,7 +147,11 @@ def compile_runtime(
         inspect_usage=cfg.processor.inspect_usage,
         max_sessions=cfg.affinity.max_sessions,
         served_by_header=served,
-        response_headers=(*LOAD_HEADERS, *([served] if served else []), "content-type"),
+        response_headers=(
+            *(LOAD_HEADERS if cfg.affinity.load_from_response_headers else ()),
+            *([served] if served else []),
+            "content-type",
+        ),
     )
 
 

@@ -91,6 +91,10 @@ class ClusterConfig(Strict):
     )
     weight: float = Field(default=1.0, gt=0)
     health_path: str = Field(default="/health", pattern=r"^/")
+    # The inference engine behind the endpoints: which /metrics names engine_metrics scrapes
+    # (extproc.core.engine_metrics). vLLM is the default, as in the Inference Extension.
+    engine: Literal["vllm", "sglang"] = "vllm"
+    metrics_path: str = Field(default="/metrics", pattern=r"^/")
 
 
 class SessionConfig(Strict):
@@ -203,8 +207,24 @@ class AffinityConfig(Strict):
     # it, a load report is credited to the right cluster and a failover is seen; without it
     # reports are credited to the cluster the processor chose.
     served_by_header: HeaderName | None = "x-served-by"
+    # Read load reports (ORCA endpoint-load-metrics, x-fleet-load) from response headers. Off,
+    # with engine_metrics scraping on, load comes from the engines' /metrics alone.
+    load_from_response_headers: bool = True
     # Sessions remembered in memory per replica (seen marks and overrides); the oldest go first.
     max_sessions: int = Field(default=1_000_000, ge=1)
+
+
+class EngineMetricsConfig(Strict):
+    """Scrape every endpoint's Prometheus /metrics for its load (extproc.pipeline.
+    engine_scraper): load-aware affinity then needs no load header in responses, so it works
+    with streams and with engines that send none. The Inference Extension scrapes every 50 ms
+    and ignores metrics older than 2 s."""
+
+    enabled: bool = False
+    interval_ms: int = Field(default=100, gt=0)
+    # A cluster whose newest scrape is older than this has no scraped load (not a stale one).
+    max_age_ms: int = Field(default=2000, gt=0)
+    timeout_ms: int = Field(default=1000, gt=0)
 
 
 def _default_classes() -> list[ClassConfig]:
@@ -226,3 +246,4 @@ class FleetConfig(Strict):
     redis: RedisConfig = RedisConfig()
     prices: PricesConfig = PricesConfig()
     affinity: AffinityConfig = AffinityConfig()
+    engine_metrics: EngineMetricsConfig = EngineMetricsConfig()

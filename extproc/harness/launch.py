@@ -141,6 +141,8 @@ class FleetStack:
     mode: Mode = "extproc"
     sim_args: tuple[str, ...] = ("--time-scale", "0.001")
     fleet_overrides: Mapping[str, Any] = field(default_factory=dict)
+    # Extra fields of every cluster entry in fleet.yaml (e.g. {"engine": "sglang"}).
+    cluster_fields: Mapping[str, Any] = field(default_factory=dict)
     processors: int = 1
     processor_args: tuple[str, ...] = ()
     processor_env: Mapping[str, str] = field(default_factory=dict)
@@ -188,7 +190,7 @@ class FleetStack:
                 "message_timeout_ms": 5000,
             },
             "clusters": [
-                {"name": s.name, "endpoints": [f"{LOOPBACK}:{s.port}"]}
+                {"name": s.name, "endpoints": [f"{LOOPBACK}:{s.port}"], **self.cluster_fields}
                 for s in self.sim_specs.values()
             ],
             # Stacks run the stateless opening key unless told otherwise: tests and the demo

@@ -21,12 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from extproc.config.schema import FleetConfig
 from extproc.core.engine_metrics import (
     EngineSample,
     cluster_report,
@@ -227,12 +228,14 @@ class EngineScraper:
             await self._http.close()
 
 
-def targets_of(
-    clusters: Sequence[tuple[str, Sequence[str], str, str]],
-) -> tuple[ScrapeTarget, ...]:
-    """(cluster, endpoints, engine, metrics path) rows as scrape targets."""
-    return tuple(
-        ScrapeTarget(name, endpoint, engine, path)
-        for name, endpoints, engine, path in clusters
-        for endpoint in endpoints
+def plan_of(config: FleetConfig) -> ScrapePlan | None:
+    """What fleet.yaml asks to scrape (None: engine_metrics is off)."""
+    em = config.engine_metrics
+    if not em.enabled:
+        return None
+    targets = tuple(
+        ScrapeTarget(c.name, endpoint, c.engine, c.metrics_path)
+        for c in config.clusters
+        for endpoint in c.endpoints
     )
+    return ScrapePlan(targets, em.interval_ms / 1000, em.max_age_ms / 1000, em.timeout_ms / 1000)

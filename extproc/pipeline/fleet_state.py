@@ -67,6 +67,12 @@ class LoadTable:
     def record(self, cluster: str, report: LoadReport, now: float) -> None:
         self._reports[cluster] = (report, now)
 
+    def forget_scraped(self, cluster: str) -> None:
+        """Drop the cluster's report if it came from a scrape (a header report stays)."""
+        found = self._reports.get(cluster)
+        if found is not None and found[0].source == "scrape":
+            del self._reports[cluster]
+
     def mark_failing(self, cluster: str, until: float) -> None:
         self._failing_until[cluster] = max(until, self._failing_until.get(cluster, until))
 
@@ -345,6 +351,19 @@ class FleetState:
             return
         self.metrics.load_reports.labels(report.source).inc()
         self.load.record(cluster, report, now)
+        if report.kv is not None:
+            self._child(self._kv_gauges, self.metrics.cluster_kv, cluster).set(report.kv)
+        if report.queue is not None:
+            self._child(self._queue_gauges, self.metrics.cluster_queue, cluster).set(report.queue)
+
+    def scraped(self, cluster: str, report: LoadReport | None, at: float) -> None:
+        """The engine scraper's view of a cluster (extproc.pipeline.engine_scraper); None when
+        no endpoint of it has a fresh scrape. ``at`` is on the pipeline's clock."""
+        if report is None:
+            self.load.forget_scraped(cluster)
+            return
+        self.metrics.load_reports.labels(report.source).inc()
+        self.load.record(cluster, report, at)
         if report.kv is not None:
             self._child(self._kv_gauges, self.metrics.cluster_kv, cluster).set(report.kv)
         if report.queue is not None:

@@ -44,6 +44,7 @@ from extproc.metrics import Metrics
 from extproc.names import BUFFER_HEADROOM
 from extproc.pipeline.chain_sync import ChainSync
 from extproc.pipeline.endpoint_health import EndpointHealth
+from extproc.pipeline.engine_scraper import EngineScraper, ScrapeMetrics, plan_of
 from extproc.pipeline.explain import explain_outcome, request_headers
 from extproc.pipeline.fleet_state import FleetState, RedisSessions
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
@@ -314,6 +315,15 @@ class Service:
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         watchers = [asyncio.create_task(self._watch())]
+        # Engine load from their /metrics; the plan is re-read every round, so a reload that
+        # turns scraping on or changes the endpoints needs no restart.
+        scraper = EngineScraper(
+            lambda: plan_of(self.holder.current.config),
+            self.pipeline.fleet.scraped,
+            ScrapeMetrics(self.registry),
+            self.clock,
+        )
+        watchers.append(asyncio.create_task(scraper.run()))
         redis_cfg = self.holder.current.redis
         chain_redis = None
         if redis_cfg.url:
