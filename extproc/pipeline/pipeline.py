@@ -28,7 +28,7 @@ from extproc.core.api import Api, BadRequest, api_for_path
 from extproc.core.decide import Route
 from extproc.core.endpoints import pick_endpoints
 from extproc.core.facts import RequestFacts, parse_request
-from extproc.core.load import parse_load_headers
+from extproc.core.load import ORCA_HEADER, parse_load_headers
 from extproc.core.placement import mix64
 from extproc.core.usage import SseUsageScanner, Usage, usage_from_body
 from extproc.ledger.gate import AdmissionGate
@@ -274,6 +274,13 @@ class Pipeline:
             else frozenset(e for eps in runtime.endpoints.values() for e in eps)
         )
         return tuple(pick_endpoints(facts.session.point, ranked, runtime.endpoints, ready))
+
+    @property
+    def asks_load_reports(self) -> bool:
+        """Whether upstream requests ask for ORCA load reports (endpoint-load-metrics-format):
+        only when affinity reads them from response headers."""
+        runtime = self._runtime.current
+        return runtime.affinity.enabled and ORCA_HEADER in runtime.response_headers
 
     # -- the response -------------------------------------------------------------------------
     def response_headers_wanted(self, hold: Hold | None) -> tuple[str, ...]:

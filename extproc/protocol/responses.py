@@ -14,6 +14,7 @@ from extproc.core.admission import Reject
 from extproc.core.api import BadRequest, ErrorStyle
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
+from extproc.core.load import ORCA_FORMAT, ORCA_FORMAT_HEADER
 from extproc.core.ratelimit_headers import rate_limit_headers
 from extproc.names import (
     CLASS_HEADER,
@@ -72,7 +73,9 @@ class RouteAnswers:
             entry = self._cache[(key, value)] = _set(key, value)
         return entry
 
-    def route(self, route: Route, facts: RequestFacts) -> ep.ProcessingResponse:
+    def route(
+        self, route: Route, facts: RequestFacts, ask_load_report: bool = False
+    ) -> ep.ProcessingResponse:
         """Set routing headers and make Envoy re-pick the route.
 
         clear_route_cache is what makes the router re-evaluate `cluster_header: x-fleet-route`;
@@ -90,6 +93,10 @@ class RouteAnswers:
             )
         )
         sets.append(_set(SESSION_HEADER, facts.session.label))
+        if ask_load_report:
+            # vLLM attaches its ORCA endpoint-load-metrics to a (non-streaming) response only
+            # when the request asks for it.
+            sets.append(self._entry(ORCA_FORMAT_HEADER, ORCA_FORMAT))
         return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
 
 

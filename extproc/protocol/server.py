@@ -177,7 +177,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if isinstance(outcome, Routed):
             state.hold = outcome.hold
             if outcome.endpoints is None:
-                return self._answers.route(outcome.route, outcome.facts)
+                return self._answers.route(
+                    outcome.route, outcome.facts, self.pipeline.asks_load_reports
+                )
             if not outcome.endpoints:
                 return responses.error_response(
                     outcome.facts.api.error_style,
