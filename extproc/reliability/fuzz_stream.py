@@ -129,6 +129,9 @@ class Tally:
     mutations: Counter[str] = field(default_factory=Counter)
     defects: list[tuple[str, Case]] = field(default_factory=list)
     max_defects_kept: int = 20
+    # Every defect counted by (what was wrong, whether the request carried trailers): the kept
+    # examples are capped, and a known open defect must be told apart from a new one.
+    defect_kinds: Counter[tuple[str, bool]] = field(default_factory=Counter)
 
     def record(self, case: Case, outcome: str, defect: str | None) -> None:
         self.cases += 1
@@ -136,6 +139,7 @@ class Tally:
         self.mutations.update(case.mutations)
         if defect is not None:
             self.outcomes["defect"] += 1
+            self.defect_kinds[(defect, bool(case.trailers))] += 1
             if len(self.defects) < self.max_defects_kept:
                 self.defects.append((defect, case))
 
