@@ -1,9 +1,9 @@
 """Hostile requests through a real Envoy + processor + simulated clusters.
 
 A bounded CI run of `extproc fuzz --target envoy`, and regression tests for what the full run
-found: Envoy's own error answers (a malformed or oversized header block, an unreachable
-upstream) were text/plain, which neither SDK family can parse; they are now JSON errors
-(extproc/render/local_reply.py).
+found: Envoy's own error answers (a malformed or oversized header block, a malformed trailer
+block after a well-formed request, an unreachable upstream) were text/plain, which neither SDK
+family can parse; they are now JSON errors (extproc/render/local_reply.py).
 """
 
 from __future__ import annotations
@@ -20,21 +20,10 @@ from extproc.reliability.fuzz_cases import error_format_problem
 from extproc.reliability.fuzz_cmd import failed
 from extproc.reliability.fuzz_envoy import exchange, run_envoy_fuzz
 
-# Open defect 5 of RELIABILITY.md (issue 14): some uploads get a text/plain error from Envoy
-# instead of a JSON error. It comes and goes between runs of the same cases (0 of 500 in runs on
-# the development tree; 21, then 13 with trailers + 8 without, in two clean-clone CI runs), so it
-# is counted apart here and printed; a crash, a hang, a held budget, a bypass or any other kind of
-# defect still fails the test.
-OPEN_TEXT_PLAIN_DEFECT = "error content-type 'text/plain'"
-
 
 def test_five_hundred_hostile_requests_through_envoy() -> None:
     tally, leftovers = run_envoy_fuzz(500, seed=14, batch=8, pool_size=150)
     assert tally.cases == 500
-    known = sum(n for (kind, _), n in tally.defect_kinds.items() if kind == OPEN_TEXT_PLAIN_DEFECT)
-    if known:
-        print(f"open text/plain defect seen {known} times (RELIABILITY.md, issue 14, defect 5)")
-    tally.outcomes["defect"] -= known
     assert failed(tally, leftovers) == [], dict(tally.defect_kinds)
     assert tally.outcomes["routed"] > 20
     assert leftovers["bypassed_requests"] == 0
@@ -66,6 +55,27 @@ def test_envoy_header_errors_are_json_errors(stack: FleetStack, extra: bytes, st
         code, headers, body = _raw(stack.listener_port, head)
         assert code == status
         assert error_format_problem(path.decode(), body, headers.get("content-type")) is None, body
+
+
+@pytest.mark.parametrize("path", [b"/v1/chat/completions", b"/v1/messages"])
+def test_malformed_trailer_after_a_good_request_is_a_json_error(
+    stack: FleetStack, path: bytes
+) -> None:
+    """A control character in a trailer is a codec error after the request exists: it has a
+    ``:path``, and Envoy sets its DPE flag only when it closes the connection, after the reply
+    was mapped, so neither of the older mapper filters matched (RELIABILITY.md, defect 5)."""
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    head = (
+        b"POST " + path + b" HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
+        b"anthropic-version: 2023-06-01\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    )
+    framed = b"%x\r\n" % len(body) + body + b"\r\n0\r\nx-checksum: a\x08b\r\n\r\n"
+    result = exchange(stack.listener_port, (head, framed))
+    assert not isinstance(result, str), result
+    code, headers, raw = result
+    assert code == 400
+    assert error_format_problem(path.decode(), raw, headers.get("content-type")) is None, raw
+    assert orjson.loads(raw)["error"]["code"] == "http1.invalid_characters"
 
 
 def test_unreachable_upstream_is_a_json_error(tmp_path: Path) -> None:
