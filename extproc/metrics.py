@@ -41,6 +41,13 @@ class Metrics:
             ["kind"],
             registry=registry,
         )
+        self.placed_around_unready = Counter(
+            "fleet_placed_around_unready",
+            "Requests placed off their hash primary because the processor's probes found no"
+            " ready endpoint in it (processor.probe_clusters), by that primary.",
+            ["cluster"],
+            registry=registry,
+        )
         self.passthrough = Counter(
             "fleet_passthrough_requests",
             "Requests on non-inference paths, left to Envoy's fallback route.",

@@ -22,3 +22,17 @@ FLEET_HEADERS = (ROUTE_HEADER, PRIMARY_HEADER, SECONDARY_HEADER, CLASS_HEADER, S
 # answers an oversized body (with a JSON 413 in the API's format instead of a plain-text one).
 # The processor's gRPC receive limit allows for it too.
 BUFFER_HEADROOM = 1 << 20
+
+# Which cluster served a request, from Envoy itself (no engine header needed). Every endpoint
+# of an inference cluster (and of the fallback cluster) carries its cluster's name in this
+# metadata namespace; the ext_proc filter asks for the serving host's metadata and address as
+# response attributes. Measured on Envoy 1.40: with a (primary, secondary) aggregate cluster
+# ``xds.cluster_name`` names the aggregate ("c1__c2"), not the member that served, so it cannot
+# tell a failover; the host's metadata and ``upstream.address`` can.
+SERVED_METADATA_NAMESPACE = "fleet-extproc"
+SERVED_METADATA_KEY = "cluster"
+HOST_METADATA_ATTRIBUTE = "xds.upstream_host_metadata"
+UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
+SERVED_ATTRIBUTES = (HOST_METADATA_ATTRIBUTE, UPSTREAM_ADDRESS_ATTRIBUTE)
+# The key under which Envoy sends the filter's attributes in ProcessingRequest.attributes.
+EXT_PROC_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"

@@ -75,6 +75,12 @@ class ProcessorConfig(Strict):
     # cost metrics. Costs one more ext_proc exchange per response (two or more for streams):
     # off by default, measured by `extproc bench overhead --inspect-usage`.
     inspect_usage: bool = False
+    # Probe every endpoint's health_path each second (as endpoint_picker mode always does) and
+    # place a request whose hash primary has no ready endpoint on the next ready cluster
+    # directly, charging that cluster's budget from the start. Without probing, a request
+    # Envoy fails over is still charged to the cluster that served it once its response
+    # begins (its budget is then exceeded by the failed-over requests admitted meanwhile).
+    probe_clusters: bool = False
     # SIGTERM (a deploy): the replica reports NOT_SERVING and keeps taking new ext_proc streams
     # for drain_delay_s (what Envoy's health checks, 1 s apart, or a Kubernetes endpoint update
     # need to send new streams elsewhere), then refuses new ones and keeps serving the streams

@@ -236,6 +236,39 @@ class AdmissionGate:
         self._track(outcome.ticket)
         return outcome
 
+    async def move(self, ticket: Ticket, cluster: str, budget: Budget) -> Ticket:
+        """Charge a running request to ``cluster`` instead of ``ticket.cluster`` (Envoy failed
+        it over): reserve there, then release the old reservation. Returns the ticket to hold.
+
+        The reserve is unconditional: the request is already running on ``cluster``, refusing
+        it now would only make the ledger lie. A charge that takes the compartment past its
+        budget is counted (``over_budget``); new requests see it and are refused until it
+        ends. The token-rate bucket is not charged twice (the admission drew from it).
+        """
+        if ticket.cluster == cluster or ticket.lease not in self._held:
+            return ticket
+        # No caps: what is reserved is exactly this request's tokens and one request.
+        demand = Demand(cluster, ticket.class_name, ticket.tokens, budget, Limits())
+        answer: LedgerAnswer | None = None
+        if ticket.store != self._local.store and self._shared is not None and self._redis_due():
+            answer = await self._reserve_shared(self._shared, demand)
+        if answer is None:
+            answer = self._local.reserve_now(demand, self._redis_usage(demand))
+        moved = answer.ticket
+        if not answer.granted or moved is None:
+            return ticket  # cannot happen without caps; keep the charge where it is
+        limits = Limits.of(budget)
+        if ticket.store == self._local.store or moved.store == self._local.store:
+            limits = limits.share(self._replicas)
+        usage = answer.usage
+        over = (
+            limits.max_inflight_tokens and usage.inflight_tokens > limits.max_inflight_tokens
+        ) or (limits.max_concurrent and usage.concurrent > limits.max_concurrent)
+        self._track(moved)
+        self._m.charges_moved.labels(ticket.class_name, "over_budget" if over else "moved").inc()
+        await self.release(ticket)
+        return moved
+
     async def _reserve_shared(self, shared: RedisLedger, demand: Demand) -> LedgerAnswer | None:
         started = self._clock()
         lease = shared.new_lease()

@@ -52,6 +52,14 @@ class LedgerMetrics:
             ["request_class", "status", "reason"],
             registry=registry,
         )
+        self.charges_moved = Counter(
+            "fleet_budget_charges_moved",
+            "Budget charges moved to the cluster that served a failed-over request, by class"
+            " and result: moved (within the serving cluster's budget), over_budget (the serving"
+            " cluster's budget was already full: the request runs anyway).",
+            ["request_class", "result"],
+            registry=registry,
+        )
         self.redis_seconds = Histogram(
             "fleet_ledger_redis_seconds",
             "Latency of Redis ledger calls (one round trip each), by operation.",

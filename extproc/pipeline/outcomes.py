@@ -50,6 +50,8 @@ class Hold:
     # the serving cluster the response names) and the scanner when the response is SSE.
     usage_cluster: str | None = None
     usage_scanner: SseUsageScanner | None = None
+    # The cluster that served the response, when Envoy or the engine named one of ours.
+    served_by: str | None = None
 
     @property
     def held(self) -> bool:

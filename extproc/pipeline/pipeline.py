@@ -28,6 +28,7 @@ from extproc.core.api import Api, BadRequest, api_for_path
 from extproc.core.decide import Route
 from extproc.core.endpoints import pick_endpoints
 from extproc.core.facts import RequestFacts, parse_request
+from extproc.core.failover import around_unready, endpoint_owners
 from extproc.core.load import ORCA_HEADER, parse_load_headers
 from extproc.core.placement import mix64
 from extproc.core.usage import SseUsageScanner, Usage, usage_from_body
@@ -79,6 +80,7 @@ class Pipeline:
         # (no unseeded randomness) and, unlike the bare counter, free of aliasing with periodic
         # traffic (a hot request after every other request would see only even salts).
         self._decisions = 0
+        self._owners: tuple[Runtime | None, Mapping[str, str]] = (None, {})
 
     @property
     def metrics(self) -> Metrics:
@@ -167,6 +169,11 @@ class Pipeline:
             decision = await self._place(runtime, facts, route, now, record)
             route = Route(decision.placement, route.request_class)
             kind = decision.kind
+        elif self._endpoint_health is not None and not runtime.endpoint_picker:
+            # Probed clusters (processor.probe_clusters): a primary with no ready endpoint is
+            # not placed on, so the request is admitted against the budget of the cluster
+            # that will serve it (affinity does the same through its load snapshot).
+            route = self._around_unready(runtime, facts, route, record)
         if not record:
             planned = plan(request_tokens(facts), route)
             if isinstance(planned, Reject):
@@ -235,6 +242,20 @@ class Pipeline:
         ready = self._endpoint_health.ready
         return frozenset(c for c, eps in runtime.endpoints.items() if any(e in ready for e in eps))
 
+    def _around_unready(
+        self, runtime: Runtime, facts: RequestFacts, route: Route, record: bool
+    ) -> Route:
+        ready = self._ready_clusters(runtime)
+        if ready is None or route.placement.primary in ready:
+            return route
+        ranked = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
+        placement = around_unready(route.placement, ranked, ready)
+        if placement == route.placement:
+            return route
+        if record:
+            self._metrics.placed_around_unready.labels(route.placement.primary).inc()
+        return Route(placement, route.request_class)
+
     async def _place(
         self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool
     ) -> Decision:
@@ -290,21 +311,36 @@ class Pipeline:
             return ()
         runtime = self._runtime.current
         inspect = runtime.inspect_usage and hold.usage_cluster is not None
-        if (hold.routed_to is None or hold.reported) and not inspect:
+        if (hold.routed_to is None or hold.reported) and not inspect and hold.ticket is None:
             return ()
         return runtime.response_headers
 
-    def observe_response(self, hold: Hold, found: Mapping[str, str], now: float) -> bool:
-        """The response headers of a routed exchange arrived (``found``: the wanted ones).
+    def endpoint_owners(self) -> Mapping[str, str]:
+        """address -> cluster of the configured endpoints (for Envoy's upstream.address)."""
+        runtime = self._runtime.current
+        if self._owners[0] is not runtime:
+            self._owners = (runtime, endpoint_owners(runtime.endpoints))
+        return self._owners[1]
+
+    def observe_response(
+        self, hold: Hold, found: Mapping[str, str], now: float, envoy_served: str | None = None
+    ) -> bool:
+        """The response headers of a routed exchange arrived (``found``: the wanted ones;
+        ``envoy_served``: the serving cluster Envoy named in its response attributes, see
+        extproc/protocol/attributes.py).
 
         Feeds the load report and any failover to the fleet state; returns True when the
         response body should stream through usage inspection (an SSE response).
         """
         runtime = self._runtime.current
         served_header = runtime.served_by_header
-        served_by = found.get(served_header) if served_header else None
+        served_by = envoy_served
+        if served_by is None and served_header:
+            # Envoy's word first (it knows the host it used); the engine's header otherwise.
+            served_by = found.get(served_header)
         if served_by not in runtime.cluster_names:
             served_by = None  # not one of ours (or absent): credit the cluster we chose
+        hold.served_by = served_by
         chosen = hold.routed_to
         if chosen is not None and not hold.reported:
             hold.reported = True
@@ -348,6 +384,22 @@ class Pipeline:
         prices = self._runtime.current.prices
         m.cost_dollars.labels(cluster).inc(prices.cost(usage))
         m.cache_savings_dollars.labels(cluster).inc(prices.saved(usage))
+
+    async def charge_served(self, hold: Hold) -> None:
+        """Move the budget charge to the cluster that serves the request, when Envoy failed it
+        over (the aggregate's secondary, or another host of the fallback route): the budget
+        charged is the one of the cluster doing the work, so a secondary's per-class budgets
+        hold while it takes a dead primary's traffic. Call after :meth:`observe_response`."""
+        ticket, served = hold.ticket, hold.served_by
+        if ticket is None or served is None or served == ticket.cluster or self._gate is None:
+            return
+        runtime = self._runtime.current
+        budget = next(
+            (c.budget for c in runtime.policy.classes if c.name == ticket.class_name), None
+        )
+        if budget is None:
+            return  # the class is gone after a reload: keep the charge where it is
+        hold.ticket = await self._gate.move(ticket, served, budget)
 
     # -- the end ------------------------------------------------------------------------------
     async def release(self, hold: Hold) -> None:

@@ -25,6 +25,7 @@ from extproc.core.api import BadRequest
 from extproc.pipeline.outcomes import Outcome, Passthrough, Rejected, Routed
 from extproc.pipeline.pipeline import Pipeline, inference_api
 from extproc.protocol import responses
+from extproc.protocol.attributes import served_cluster
 from extproc.protocol.state import StreamState
 
 log = logging.getLogger("extproc.server")
@@ -206,7 +207,15 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         for h in request.response_headers.headers.headers:
             if h.key in wanted:
                 found[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        if self.pipeline.observe_response(hold, found, self._clock()):
+        pipeline = self.pipeline
+        runtime = pipeline.runtime
+        # Envoy names the host that served (response attributes, see attributes.py).
+        served = served_cluster(
+            request.attributes, runtime.cluster_names, pipeline.endpoint_owners()
+        )
+        stream = pipeline.observe_response(hold, found, self._clock(), served)
+        await pipeline.charge_served(hold)
+        if stream:
             return responses.STREAM_RESPONSE_HEADERS
         return responses.CONTINUE_RESPONSE_HEADERS
 

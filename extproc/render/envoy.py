@@ -20,6 +20,7 @@ from typing import Any, Literal
 from extproc.config.runtime import Runtime
 from extproc.core.fleet import Cluster
 from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, ROUTE_HEADER
+from extproc.render.envoy_served import observes_responses, response_attributes, tag_endpoint
 from extproc.render.local_reply import local_reply_config
 
 Mode = Literal["extproc", "round_robin", "ring_hash"]
@@ -71,8 +72,14 @@ def _seconds(value: float) -> str:
 
 
 def _inference_cluster(
-    name: str, endpoints: list[str], health_path: str, opts: EnvoyOptions
+    name: str,
+    endpoints: list[str],
+    health_path: str,
+    opts: EnvoyOptions,
+    owners: list[str] | None = None,
 ) -> Json:
+    # ``owners``: each endpoint's cluster (the fallback cluster holds every cluster's).
+    tags = owners or [name] * len(endpoints)
     return {
         "name": name,
         "type": "STRICT_DNS",
@@ -81,7 +88,14 @@ def _inference_cluster(
         "lb_policy": "ROUND_ROBIN",
         "load_assignment": {
             "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [_endpoint(e, opts) for e in endpoints]}],
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        tag_endpoint(_endpoint(e, opts), c)
+                        for e, c in zip(endpoints, tags, strict=True)
+                    ]
+                }
+            ],
         },
         # Active checks find a dead cluster within ~1 s even when it gets no traffic.
         "health_checks": [
@@ -308,10 +322,9 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
                 # for one more exchange per request; pure hashing does not need them.
                 # Usage inspection reads the response body too: whole for JSON answers, and
                 # switched per response to STREAMED for SSE (a mode override), so that streams
-                # keep streaming.
-                "response_header_mode": (
-                    "SEND" if runtime.config.affinity.enabled or proc.inspect_usage else "SKIP"
-                ),
+                # keep streaming. Budgets need them too: a failed-over request's charge moves
+                # to the cluster that served it (extproc/render/envoy_served.py).
+                "response_header_mode": "SEND" if observes_responses(runtime) else "SKIP",
                 "response_body_mode": "BUFFERED" if proc.inspect_usage else "NONE",
                 # SEND: Envoy sends a trailers message only for requests that have trailers
                 # (no cost otherwise). A request of headers then trailers carries no body message
@@ -321,6 +334,7 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
                 "request_trailer_mode": "SEND",
                 "response_trailer_mode": "SKIP",
             },
+            **response_attributes(runtime),
             **extra,
         },
     }
@@ -464,14 +478,17 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     clusters: list[Cluster] = list(runtime.clusters)
     out = [_inference_cluster(c.name, list(c.endpoints), c.health_path, opts) for c in clusters]
     every_endpoint = [e for c in clusters for e in c.endpoints]
-    fallback = _inference_cluster(FALLBACK_CLUSTER, every_endpoint, clusters[0].health_path, opts)
+    owners = [c.name for c in clusters for _ in c.endpoints]
+    fallback = _inference_cluster(
+        FALLBACK_CLUSTER, every_endpoint, clusters[0].health_path, opts, owners
+    )
     if opts.mode == "ring_hash":
         fallback["lb_policy"] = "RING_HASH"
         # Hash on names, not addresses: the same ring in every run and on every machine.
         keys = [f"{c.name}/{i}" for c in clusters for i, _ in enumerate(c.endpoints)]
         lb_endpoints = fallback["load_assignment"]["endpoints"][0]["lb_endpoints"]
         for lb_endpoint, key in zip(lb_endpoints, keys, strict=True):
-            lb_endpoint["metadata"] = {"filter_metadata": {"envoy.lb": {"hash_key": key}}}
+            lb_endpoint["metadata"]["filter_metadata"]["envoy.lb"] = {"hash_key": key}
     if opts.mode == "extproc" and _picks_endpoints(runtime):
         del fallback["lb_policy"]
         fallback["load_balancing_policy"] = _override_host_policy()

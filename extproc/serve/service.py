@@ -121,7 +121,7 @@ class Service:
         )
         self.health = health.aio.HealthServicer()
         self.endpoint_health: EndpointHealth | None = None
-        if runtime.endpoint_picker:
+        if runtime.endpoint_picker or runtime.config.processor.probe_clusters:
             self.endpoint_health = EndpointHealth(runtime.endpoints, _health_paths(runtime))
         self.pipeline = Pipeline(
             self.holder,

@@ -16,7 +16,7 @@ import yaml
 
 from extproc.config import compile_runtime, load_runtime, parse_config
 from extproc.config.runtime import Runtime
-from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, ROUTE_HEADER
+from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, ROUTE_HEADER, SERVED_ATTRIBUTES
 from extproc.render.envoy import (
     EXTPROC_CLUSTER,
     FALLBACK_CLUSTER,
@@ -239,7 +239,11 @@ def test_ext_proc_filter_asks_only_for_the_phases_it_uses(rendered: dict[str, An
     mode = ext_proc["processing_mode"]
     assert mode["request_header_mode"] == "SEND"  # else clear_route_cache does nothing
     assert mode["request_body_mode"] == "BUFFERED"  # BUFFERED_PARTIAL truncates JSON
-    assert mode["response_header_mode"] == "SKIP"
+    # The canonical config has budgets: the charge follows a failover to the cluster that
+    # served, which Envoy names in the response attributes (tests/unit/test_served_cluster.py
+    # has the budget-less SKIP case).
+    assert mode["response_header_mode"] == "SEND"
+    assert ext_proc["response_attributes"] == list(SERVED_ATTRIBUTES)
     assert ext_proc["failure_mode_allow"] is True  # canonical config: fail-open
     assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER
     # Envoy's 200 ms default is too short for multi-MB bodies.
