@@ -1,4 +1,5 @@
-"""`extproc envoy`: print the Envoy bootstrap rendered from fleet.yaml."""
+"""`extproc envoy`: print the Envoy bootstrap rendered from fleet.yaml, or one drop-in part of
+it for an existing Envoy (``--part filter|clusters|routes``, extproc/render/envoy_parts.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import yaml
 from extproc.config import ConfigError, load_runtime
 from extproc.render import write_output
 from extproc.render.envoy import MODES, EnvoyOptions, render_bootstrap
+from extproc.render.envoy_parts import PARTS, Part, render_part
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT=HOST:PORT",
         help="rewrite an address from fleet.yaml (e.g. sim-c1:8000=127.0.0.1:18001)",
     )
+    parser.add_argument(
+        "--part",
+        choices=PARTS,
+        default=None,
+        help="print one drop-in part for an existing Envoy instead of the whole bootstrap "
+        "(filter: the ext_proc HTTP filter; clusters: every cluster it needs; routes: the "
+        "route_config); see envoy/README.md",
+    )
     parser.add_argument("-o", "--output", default="-", help="output file (default stdout)")
 
 
@@ -41,12 +51,12 @@ def parse_map(items: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def render_text(config_path: str, opts: EnvoyOptions) -> str:
+def render_text(config_path: str, opts: EnvoyOptions, part: Part | None = None) -> str:
     runtime = load_runtime(config_path)
-    header = (
-        f"# Rendered by `extproc envoy` from {config_path} (config version {runtime.version}).\n"
-    )
-    return header + yaml.safe_dump(render_bootstrap(runtime, opts), sort_keys=False, width=120)
+    what = "`extproc envoy`" if part is None else f"`extproc envoy --part {part}`"
+    header = f"# Rendered by {what} from {config_path} (config version {runtime.version}).\n"
+    doc = render_bootstrap(runtime, opts) if part is None else render_part(runtime, part, opts)
+    return header + yaml.safe_dump(doc, sort_keys=False, width=120)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         opts = EnvoyOptions(
             mode=args.mode, access_log_path=args.access_log or None, host_map=parse_map(args.map)
         )
-        text = render_text(args.config, opts)
+        text = render_text(args.config, opts, args.part)
     except (ConfigError, OSError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2
