@@ -15,7 +15,8 @@ one process lifetime: two replicas (or one replica before and after a restart) l
 labels for the same session, and an upstream that reads ``x-fleet-session`` sees a different
 value per replica. Placement is unaffected (it uses the unkeyed digest), so a fleet of replicas
 without a configured secret still routes every session identically. Set the secret to make
-labels agree across replicas and restarts.
+labels agree across replicas and restarts. The Redis affinity keys are keyed with it too, so
+replicas share seen marks and overrides only when they share the secret.
 """
 
 from __future__ import annotations
@@ -70,11 +71,23 @@ def resolve_label_secret(cfg: SessionConfig) -> LabelSecret:
     return LabelSecret(_per_process(), "process")
 
 
-def warn_if_per_process(secret: LabelSecret, env_name: str | None) -> None:
-    if secret.source == "process":
+def warn_if_per_process(
+    secret: LabelSecret, env_name: str | None, shared_store: bool = False
+) -> None:
+    if secret.source != "process":
+        return
+    log.warning(
+        "session labels are keyed with a random per-process secret: replicas and restarts "
+        "log different labels for one session (placement is unaffected); set %s or "
+        "session.label_secret_file to make them agree",
+        env_name or "session.label_secret_env",
+    )
+    if shared_store:
+        # The Redis affinity keys are the same keyed hash (extproc.core.keys.SessionKey):
+        # with a secret of its own, each replica reads and writes only its own entries.
         log.warning(
-            "session labels are keyed with a random per-process secret: replicas and restarts "
-            "log different labels for one session (placement is unaffected); set %s or "
-            "session.label_secret_file to make them agree",
+            "redis.url is set but the session secret is per process: replicas do not share "
+            "seen marks or affinity overrides (nor keep them across a restart); set %s or "
+            "session.label_secret_file on every replica",
             env_name or "session.label_secret_env",
         )

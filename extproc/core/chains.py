@@ -5,9 +5,10 @@ conversation to one cluster when many share an opening outside the system role (
 the first user message, a tool catalogue, a long completions preamble, shared content blocks).
 The chain key finds where a conversation stops sharing text with the rest of the traffic.
 
-1. **Canonical prompt** (:func:`prompt_segments`): the request's prompt in the order an engine
-   prefills it (system / instructions, tools, then every message or input item), one segment
-   per message, for every API shape. Non-text parts are fingerprinted (bounded).
+1. **Canonical prompt** (``extproc.core.prompt.prompt_segments``, the walk the opening key
+   shares): the request's prompt in the order an engine prefills it (system / instructions,
+   tools, then every message or input item), one segment per message, for every API shape.
+   Non-text parts are fingerprinted (bounded).
 2. **Chunk chain** (:func:`chunk_chain`): each segment is cut at the first newline after
    ``min_chunk`` bytes (or at ``max_chunk``, or at the segment's end), and chunk ``i`` gets the
    chain hash ``h_i = H(h_{i-1} || chunk_i)``. A later turn repeats the earlier turn's text and
@@ -44,14 +45,11 @@ replicas (:meth:`ChainSketch.merge`), which is how replicas converge
 from __future__ import annotations
 
 import hashlib
-import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import orjson
-
-from extproc.core.api import Api
 
 _HASH_BYTES = 8
 
@@ -73,141 +71,6 @@ class ChainParams:
     max_groups: int = 8192
     max_rep_chunks: int = 512
     max_common: int = 4096
-
-
-# ----- canonical prompt ---------------------------------------------------------------------
-
-_FP_HEAD = 32
-_FP_TAIL = 96
-_FP_NODES = 16
-
-
-def _fingerprint(part: object) -> str:
-    """Bounded identity of a non-text part (an image's base64 can be megabytes)."""
-    out: list[str] = []
-    stack: list[object] = [part]
-    visited = 0
-    while stack and visited < _FP_NODES:
-        node = stack.pop()
-        visited += 1
-        if isinstance(node, str):
-            if len(node) <= _FP_HEAD + _FP_TAIL:
-                out.append(node)
-            else:
-                out.append(f"{len(node)}:{node[-_FP_TAIL:]}:{node[:_FP_HEAD]}")
-        elif isinstance(node, Mapping):
-            items = sorted(
-                ((str(k), v) for k, v in itertools.islice(node.items(), _FP_NODES)),
-                key=lambda kv: kv[0],
-                reverse=True,
-            )
-            for name, value in items:
-                stack.append(value)
-                stack.append(name)
-        elif isinstance(node, list):
-            stack.extend(reversed(node[:_FP_NODES]))
-        elif node is not None:
-            out.append(str(node))
-    return "\x1c" + "\x1c".join(out)
-
-
-class _Budget:
-    def __init__(self, chars: int) -> None:
-        self.left = chars
-
-    def take(self, text: str) -> str:
-        if self.left <= 0:
-            return ""
-        piece = text[: self.left]
-        self.left -= len(piece)
-        return piece
-
-
-def _content(content: object, budget: _Budget) -> str:
-    if isinstance(content, str):
-        return budget.take(content)
-    if isinstance(content, Mapping):
-        content = [content]
-    if not isinstance(content, list):
-        return ""
-    out: list[str] = []
-    for part in content:
-        if budget.left <= 0:
-            break
-        if isinstance(part, str):
-            out.append(budget.take(part))
-        elif isinstance(part, Mapping):
-            text = part.get("text")
-            if isinstance(text, str):
-                out.append(budget.take(text))
-            elif isinstance(part.get("content"), (str, list)):  # tool_result: nested content
-                out.append(budget.take("\x1c") + _content(part.get("content"), budget))
-            else:
-                out.append(budget.take(_fingerprint(part)))
-    return "\x1d".join(out)
-
-
-def _tools(tools: object, budget: _Budget) -> str:
-    if not isinstance(tools, list) or not tools:
-        return ""
-    # Sorted keys: two clients that serialise the same catalogue differently still agree.
-    # The catalogue is bounded by the body limit; slicing keeps the hashed part bounded.
-    text = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode("utf-8", "replace")
-    return budget.take(text)
-
-
-def _message(msg: object, budget: _Budget) -> str:
-    if isinstance(msg, str):
-        return budget.take("user\x1f") + budget.take(msg)
-    if not isinstance(msg, Mapping):
-        return ""
-    role = msg.get("role")
-    if isinstance(role, str):
-        # "developer" is the newer OpenAI name of the system role: one opening, one key.
-        role = "system" if role == "developer" else role
-        text = budget.take(role + "\x1f") + _content(msg.get("content"), budget)
-        calls = msg.get("tool_calls")  # OpenAI assistant tool calls: prompt tokens too
-        return text + (budget.take(_fingerprint(calls)) if calls is not None else "")
-    # Responses input items without a role (function_call, function_call_output, ...): their
-    # fields are what the model sees; ids and status are bookkeeping.
-    item = {k: v for k, v in msg.items() if k not in ("id", "status")}
-    return budget.take("item\x1f" + _fingerprint(item))
-
-
-def prompt_segments(api: Api, doc: Mapping[str, object], scan_chars: int) -> list[str]:
-    """The canonical prompt as segments, at most ``scan_chars`` characters in all."""
-    budget = _Budget(scan_chars)
-    out: list[str] = []
-
-    def add(tag: str, text: str) -> None:
-        if text:
-            out.append(tag + "\x1e" + text)
-
-    if api is Api.OPENAI_COMPLETIONS:
-        prompt = doc.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch: key on its first prompt
-        if isinstance(prompt, str):
-            add("prompt", budget.take(prompt))
-        elif isinstance(prompt, list):
-            ids = itertools.islice(prompt, max(0, scan_chars // 4))
-            add("ids", budget.take(",".join(str(t) for t in ids)))
-        return out
-    if api is Api.ANTHROPIC_MESSAGES:
-        add("system", _content(doc.get("system"), budget))
-    elif api is Api.OPENAI_RESPONSES:
-        instructions = doc.get("instructions")
-        add("system", _content(instructions, budget))
-    add("tools", _tools(doc.get("tools"), budget))
-    items = doc.get("messages") if api is not Api.OPENAI_RESPONSES else doc.get("input")
-    if isinstance(items, str):
-        add("msg", _message(items, budget))
-    elif isinstance(items, list):
-        for msg in items:
-            if budget.left <= 0:
-                break
-            add("msg", _message(msg, budget))
-    return out
 
 
 # ----- chunk chain --------------------------------------------------------------------------

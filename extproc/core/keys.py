@@ -21,7 +21,9 @@ it fails: an opening shared outside the system role sends everything to one clus
 Raw keys never leave this module: callers get a 16-byte digest (placement input) and an 8-byte
 hex label (logs, the ``x-fleet-session`` header). The label is keyed: HMAC-SHA256 of the digest
 under the fleet's label secret (:attr:`KeyRules.label_secret`), so a low-entropy id (an email, a
-user number) cannot be recovered from a label by hashing a dictionary of guesses. Placement
+user number) cannot be recovered from a label by hashing a dictionary of guesses. Shared state
+(the Redis affinity keys) names a session by 16 bytes of the same keyed hash
+(:attr:`SessionKey.store_key`), so replicas share it only when they share the secret. Placement
 uses the unkeyed digest, so it is the same on every replica whatever secret each one holds.
 """
 
@@ -29,23 +31,21 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
 from extproc.core.api import Api, BadRequest
-from extproc.core.chains import (
-    Chain,
-    ChainParams,
-    ChainSketch,
-    KeyNode,
-    chunk_chain,
+from extproc.core.chains import Chain, ChainParams, ChainSketch, KeyNode, chunk_chain
+from extproc.core.prompt import (
+    Budget,
+    content_text,
+    message_content,
+    message_role,
+    prompt_parts,
     prompt_segments,
 )
-
-SYSTEM_ROLES = frozenset({"system", "developer"})
 
 
 class KeySource(StrEnum):
@@ -60,6 +60,10 @@ class SessionKey:
     source: KeySource
     # Safe to log and to send upstream: a keyed hash of the digest, never the raw key.
     label: str
+    # The session's name in shared state (Redis): 16 bytes of the same keyed hash (the label is
+    # its first 8), so whoever can read Redis cannot dictionary-test a low-entropy session id,
+    # and an operator can find a logged label's keys by prefix.
+    store_key: bytes
 
     @property
     def point(self) -> int:
@@ -67,9 +71,13 @@ class SessionKey:
         return int.from_bytes(self.digest[:8], "big")
 
 
+def _keyed(digest: bytes, secret: bytes) -> bytes:
+    return hmac.digest(secret, digest, "sha256")
+
+
 def session_label(digest: bytes, secret: bytes) -> str:
     """8-byte hex HMAC-SHA256 of ``digest`` under ``secret``."""
-    return hmac.digest(secret, digest, "sha256")[:8].hex()
+    return _keyed(digest, secret)[:8].hex()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +116,8 @@ def hash_key(source: KeySource, material: bytes, label_secret: bytes = b"") -> S
     h = hashlib.blake2b(digest_size=16, person=b"fleet-" + source.value.encode()[:10])
     h.update(material)
     digest = h.digest()
-    return SessionKey(digest, source, session_label(digest, label_secret))
+    keyed = _keyed(digest, label_secret)
+    return SessionKey(digest, source, keyed[:8].hex(), keyed[:16])
 
 
 def _lookup(doc: Mapping[str, object], path: tuple[str, ...]) -> object:
@@ -120,107 +129,29 @@ def _lookup(doc: Mapping[str, object], path: tuple[str, ...]) -> object:
     return node
 
 
-# Non-text parts (images, files, audio) carry their identity in strings that can be megabytes
-# of base64 whose first kilobytes are often the same for every file (PNG/JPEG headers, colour
-# profiles, EXIF). Without them every "describe this image" conversation would share one key
-# and one cluster. A bounded fingerprint (each string's length, tail and head, for a bounded
-# number of nodes) separates them without reading them whole.
-_FP_HEAD = 32
-_FP_TAIL = 96
-_FP_NODES = 16
-
-
-def _fingerprint(part: Mapping[object, object]) -> str:
-    out: list[str] = []
-    stack: list[object] = [part]
-    visited = 0
-    while stack and visited < _FP_NODES:
-        node = stack.pop()
-        visited += 1
-        if isinstance(node, str):
-            if len(node) <= _FP_HEAD + _FP_TAIL:
-                out.append(node)
-            else:
-                out.append(f"{len(node)}:{node[-_FP_TAIL:]}:{node[:_FP_HEAD]}")
-        elif isinstance(node, Mapping):
-            # Sorted so that clients that order JSON keys differently still agree.
-            items = sorted(
-                ((str(k), v) for k, v in itertools.islice(node.items(), _FP_NODES)),
-                key=lambda kv: kv[0],
-                reverse=True,
-            )
-            for name, value in items:
-                stack.append(value)
-                stack.append(name)
-        elif isinstance(node, list):
-            stack.extend(reversed(node[:_FP_NODES]))
-        elif node is not None:
-            out.append(str(node))
-    return "\x1c" + "\x1c".join(out)
-
-
-def _text(content: object, budget: int) -> str:
-    """Text of a message's content (a string or a list of typed parts), up to ``budget`` chars."""
-    if budget <= 0:
-        return ""
-    if isinstance(content, str):
-        return content[:budget]
-    if isinstance(content, list):
-        out: list[str] = []
-        left = budget
-        for part in content:
-            if left <= 0:
-                break
-            piece = ""
-            if isinstance(part, str):
-                piece = part
-            elif isinstance(part, Mapping):
-                text = part.get("text")
-                piece = text if isinstance(text, str) else _fingerprint(part)
-            if piece:
-                piece = piece[:left]
-                out.append(piece)
-                left -= len(piece)
-        return "\n".join(out)
-    return ""
-
-
 class _Opening:
     """Accumulates the capped system text and the capped first message."""
 
     def __init__(self, rules: KeyRules) -> None:
         self._rules = rules
         self.system: list[str] = []
-        self._system_left = rules.system_chars
+        self._system = Budget(rules.system_chars)
         self.first: str | None = None
 
     def add_system(self, content: object) -> None:
-        text = _text(content, self._system_left)
+        text = content_text(content, self._system)
         if text:
             self.system.append(text)
-            self._system_left -= len(text)
 
     def set_first(self, role: str, content: object) -> None:
         if self.first is None:
-            self.first = role + "\x1f" + _text(content, self._rules.first_message_chars)
+            budget = Budget(self._rules.first_message_chars)
+            self.first = role + "\x1f" + content_text(content, budget)
 
     def material(self) -> bytes:
         return ("\x1e".join(self.system) + "\x1d" + (self.first or "")).encode(
             "utf-8", "surrogatepass"
         )
-
-
-def _opening_of_messages(messages: list[object], opening: _Opening) -> None:
-    for msg in messages:
-        if not isinstance(msg, Mapping):
-            continue
-        role = msg.get("role")
-        role = role if isinstance(role, str) else "user"
-        if role in SYSTEM_ROLES and opening.first is None:
-            opening.add_system(msg.get("content"))
-            continue
-        opening.set_first(role, msg.get("content"))
-        return
 
 
 def shape_error(api: Api, doc: Mapping[str, object]) -> BadRequest | None:
@@ -256,28 +187,24 @@ def prefix_material(api: Api, doc: Mapping[str, object], rules: KeyRules) -> byt
     if bad is not None:
         return bad
     opening = _Opening(rules)
-    if api is Api.OPENAI_CHAT or api is Api.ANTHROPIC_MESSAGES:
-        if api is Api.ANTHROPIC_MESSAGES:
-            opening.add_system(doc.get("system"))
-        messages = doc.get("messages")
-        if isinstance(messages, list):  # always, after shape_error; narrows the type
-            _opening_of_messages(messages, opening)
-    elif api is Api.OPENAI_RESPONSES:
-        opening.add_system(doc.get("instructions"))
-        items = doc.get("input")
-        if isinstance(items, str):
-            opening.set_first("user", items)
-        elif isinstance(items, list):
-            _opening_of_messages(items, opening)
-    else:  # completions: no roles, the prompt's first characters play both parts
-        prompt = doc.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch: key on its first prompt
-        if isinstance(prompt, str):
-            opening.first = "prompt\x1f" + prompt[: rules.prompt_chars]
-        elif isinstance(prompt, list):
-            ids = prompt[: rules.prompt_chars // 4]  # token ids: ~4 characters each
-            opening.first = "ids\x1f" + ",".join(str(t) for t in ids)
+    for kind, value in prompt_parts(api, doc):
+        if kind == "system":
+            opening.add_system(value)
+        elif kind == "message":
+            role = message_role(value)
+            if role is None and not isinstance(value, Mapping):
+                continue  # not a message at all
+            if role == "system":
+                opening.add_system(message_content(value))
+                continue
+            opening.set_first(role or "user", message_content(value))
+            break
+        elif kind == "prompt":  # completions: no roles, the prompt's start plays both parts
+            if isinstance(value, list):
+                ids = value[: rules.prompt_chars // 4]  # token ids: ~4 characters each
+                opening.first = "ids\x1f" + ",".join(str(t) for t in ids)
+            else:
+                opening.first = "prompt\x1f" + str(value)[: rules.prompt_chars]
     return opening.material()
 
 

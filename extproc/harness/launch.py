@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -146,6 +147,10 @@ class FleetStack:
     processors: int = 1
     processor_args: tuple[str, ...] = ()
     processor_env: Mapping[str, str] = field(default_factory=dict)
+    # One label secret for all of the stack's replicas, as a deployment sets it: the Redis
+    # affinity keys are keyed with it, so replicas share them only when they share it.
+    # processor_env may override it.
+    session_secret: str = field(default_factory=lambda: secrets.token_hex(16))
     envoy_concurrency: int = 1
     # How long a simulated cluster may take to answer /health after its start (a process
     # start: longer on a loaded machine).
@@ -325,9 +330,8 @@ class FleetStack:
         if self.dynamic_cds:
             argv += ["--envoy-cds", str(self.cds_path)]
         argv += ["--port", str(self.grpc_ports[index])]
-        proc = Proc(
-            f"extproc-{index}", argv, self.workdir / f"extproc-{index}.log", self.processor_env
-        )
+        env = {"FLEET_SESSION_SECRET": self.session_secret, **self.processor_env}
+        proc = Proc(f"extproc-{index}", argv, self.workdir / f"extproc-{index}.log", env)
         log_offset = proc.log_path.stat().st_size if proc.log_path.exists() else 0
         proc.start()
         ready: list[str] = []

@@ -11,8 +11,12 @@ Kept out of core/ because it is state over time and I/O:
   expiry. LRU-bounded by ``affinity.max_sessions``; expired entries are dropped as they reach
   the old end.
 - :class:`RedisSessions` — the same two facts in Redis, shared by every replica, when
-  ``redis.url`` is configured: ``P:aff:<digest>:seen`` (PX = new_session_ttl) and
-  ``P:aff:<digest>:ov`` (cluster name, PX = override_ttl). One pipelined round trip per request
+  ``redis.url`` is configured: ``P:aff:<store key>:seen`` (PX = new_session_ttl) and
+  ``P:aff:<store key>:ov`` (cluster name, PX = override_ttl), where the store key is the
+  session's keyed hash (``SessionKey.store_key``, never the unkeyed digest: Redis readers must
+  not be able to test guesses of a session id). Replicas share these only when they share the
+  label secret (``FLEET_SESSION_SECRET`` / ``session.label_secret_file``); without one each
+  replica keys its own entries, and ``serve`` warns. One pipelined round trip per request
   (GET + PTTL of the override, SET ... GET of the seen mark) and one SET when an override is
   written. Calls are bounded by ``redis.timeout_ms``; on failure the replica's own memory
   answers (fail-open: a lost override costs at most one cache miss, never a request) and Redis
@@ -280,9 +284,9 @@ class FleetState:
         if self.shared is not None and self._shared_usable(now):
             try:
                 shared_seen, shared_override = (
-                    await self.shared.lookup(key, now, ttl)
+                    await self.shared.lookup(facts.session.store_key, now, ttl)
                     if record
-                    else await self.shared.peek(key, now)
+                    else await self.shared.peek(facts.session.store_key, now)
                 )
             except (RedisError, OSError) as exc:  # TimeoutError is an OSError
                 self._shared_failed("lookup", exc, now)
@@ -309,7 +313,7 @@ class FleetState:
         self.memory.write(key, override, now)
         if self.shared is not None and self._shared_usable(now):
             try:
-                await self.shared.write(key, override, now)
+                await self.shared.write(facts.session.store_key, override, now)
             except (RedisError, OSError) as exc:
                 self._shared_failed("write", exc, now)
             else:

@@ -394,7 +394,7 @@ async def serve(opts: ServeOptions) -> int:
         print(f"{opts.config_path}: {problem}", file=sys.stderr)
         return 2
     secret = LabelSecret(runtime.key_rules.label_secret, runtime.label_secret_source)
-    warn_if_per_process(secret, runtime.config.session.label_secret_env)
+    warn_if_per_process(secret, runtime.config.session.label_secret_env, bool(runtime.redis.url))
     if opts.envoy_cds_path:
         write_cds(runtime, opts.envoy_cds_path)
     return await Service(opts, runtime, raw).run()

@@ -45,9 +45,12 @@ STEP_TIMEOUT = 10.0
 PARAMS = AffinityParams(enabled=True, new_session_ttl_s=60.0, override_ttl_s=120.0)
 
 
-def facts(key: str, source: KeySource = KeySource.HEADER) -> RequestFacts:
+SECRET = b"fleet-label-secret"
+
+
+def facts(key: str, source: KeySource = KeySource.HEADER, secret: bytes = SECRET) -> RequestFacts:
     return RequestFacts(
-        Api.OPENAI_CHAT, "m", hash_key(source, key.encode()), 10, 4, None, False, 40
+        Api.OPENAI_CHAT, "m", hash_key(source, key.encode(), secret), 10, 4, None, False, 40
     )
 
 
@@ -191,12 +194,20 @@ async def test_two_replicas_share_seen_marks_and_overrides(
     probe = redis.Redis.from_url(server.url)
     try:
         keys = sorted(k.decode() for k in probe.keys("t:aff:*"))
-        digest = f.session.digest.hex()
-        assert keys == [f"t:aff:{digest}:ov", f"t:aff:{digest}:seen"]
-        assert "shared-session" not in " ".join(keys)  # hashes only, never the raw id
-        assert 0 < probe.pttl(f"t:aff:{digest}:seen") <= PARAMS.new_session_ttl_s * 1000
+        # Keyed hashes only: never the raw id, nor the unkeyed digest (anyone reading Redis
+        # could test guesses of the id against that); the label is the store key's start.
+        stored = f.session.store_key.hex()
+        assert keys == [f"t:aff:{stored}:ov", f"t:aff:{stored}:seen"]
+        assert stored.startswith(f.session.label) and len(stored) == 32
+        assert "shared-session" not in " ".join(keys)
+        assert f.session.digest.hex() not in " ".join(keys)
+        assert 0 < probe.pttl(f"t:aff:{stored}:seen") <= PARAMS.new_session_ttl_s * 1000
     finally:
         probe.close()
+    # A replica holding another secret names the session differently: nothing is shared.
+    other = facts("shared-session", secret=b"another-secret")
+    assert other.session.digest == f.session.digest  # placement is the same ...
+    assert (await b.view(other, "c1", 0.4, PARAMS)).override is None  # ... the store is not
 
 
 async def test_redis_down_fails_open_to_memory_and_comes_back(
