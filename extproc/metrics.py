@@ -122,6 +122,13 @@ class Metrics:
             ["cluster"],
             registry=registry,
         )
+        self.response_links = Counter(
+            "fleet_response_links",
+            "Responses API links (response id -> session, extproc.core.response_links): "
+            "learnt from responses; followed or unknown for turns naming previous_response_id.",
+            ["result"],
+            registry=registry,
+        )
         self.affinity_store_errors = Counter(
             "fleet_affinity_store_errors",
             "Shared (Redis) affinity store calls that failed; the replica's memory answered.",

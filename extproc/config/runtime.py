@@ -63,6 +63,9 @@ class Runtime:
     prices: Prices = field(default_factory=Prices)
     endpoint_picker: bool = False  # processor.mode == "endpoint_picker"
     inspect_usage: bool = False
+    # How long a learnt response link lives; None: previous_response_id is not followed
+    # (session.follow_previous_response off, or no response inspection to learn links from).
+    response_link_ttl_s: float | None = None
     # Bound of the per-replica session memory (affinity.max_sessions).
     max_sessions: int = 1_000_000
     served_by_header: str | None = "x-served-by"
@@ -145,6 +148,11 @@ def compile_runtime(
         prices=Prices(cfg.prices.cached_input, cfg.prices.uncached_input, cfg.prices.output),
         endpoint_picker=cfg.processor.mode == "endpoint_picker",
         inspect_usage=cfg.processor.inspect_usage,
+        response_link_ttl_s=(
+            cfg.session.response_link_ttl_s
+            if cfg.session.follow_previous_response and cfg.processor.inspect_usage
+            else None
+        ),
         max_sessions=cfg.affinity.max_sessions,
         served_by_header=served,
         response_headers=(

@@ -122,6 +122,12 @@ class SessionConfig(Strict):
     # file if set, else from this environment variable, else drawn at random per process.
     label_secret_file: str | None = None
     label_secret_env: str | None = "FLEET_SESSION_SECRET"
+    # Responses API turns chained by previous_response_id (and no conversation) follow the
+    # session of the response they name (extproc.core.response_links). The links are learnt
+    # from responses, so this acts only with processor.inspect_usage on; a link lives
+    # response_link_ttl_s (in Redis too, when configured).
+    follow_previous_response: bool = True
+    response_link_ttl_s: float = Field(default=86400.0, gt=0)
 
 
 class PrefixConfig(Strict):

@@ -14,6 +14,7 @@ import orjson
 
 from extproc.core.api import Api, BadRequest, ErrorStyle, api_for_path
 from extproc.core.keys import KeyRules, KeySource, SessionKey, derive_session_key
+from extproc.core.response_links import valid_response_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,8 @@ class RequestFacts:
     tier: str | None
     stream: bool
     body_bytes: int
+    # Responses API: the response this turn continues (extproc.core.response_links).
+    previous_response_id: str | None = None
 
 
 def _content_type_ok(value: str | None) -> bool:
@@ -114,6 +117,11 @@ def parse_request(
         tier=tier or None,
         stream=doc.get("stream") is True,
         body_bytes=len(body),
+        previous_response_id=(
+            valid_response_id(doc.get("previous_response_id"))
+            if api is Api.OPENAI_RESPONSES
+            else None
+        ),
     )
 
 

@@ -115,7 +115,11 @@ class KeyRules:
 def hash_key(source: KeySource, material: bytes, label_secret: bytes = b"") -> SessionKey:
     h = hashlib.blake2b(digest_size=16, person=b"fleet-" + source.value.encode()[:10])
     h.update(material)
-    digest = h.digest()
+    return session_key(h.digest(), source, label_secret)
+
+
+def session_key(digest: bytes, source: KeySource, label_secret: bytes) -> SessionKey:
+    """The session of ``digest``: its label and store key under ``label_secret``."""
     keyed = _keyed(digest, label_secret)
     return SessionKey(digest, source, keyed[:8].hex(), keyed[:16])
 
@@ -214,6 +218,13 @@ def request_chain(api: Api, doc: Mapping[str, object], params: ChainParams) -> C
     return chunk_chain(segments, params, last_segment_complete=api is not Api.OPENAI_COMPLETIONS)
 
 
+def _chained_turn(api: Api, doc: Mapping[str, object]) -> bool:
+    """A Responses turn chained by ``previous_response_id`` carries only its new input: it is
+    not a conversation of its own, so it must not count toward what is common (it follows
+    its previous response's session when the link is known: extproc.core.response_links)."""
+    return api is Api.OPENAI_RESPONSES and doc.get("previous_response_id") is not None
+
+
 def chain_key(api: Api, doc: Mapping[str, object], rules: KeyRules) -> SessionKey:
     """The chain key; with a sketch, the request also counts toward what is common."""
     sketch = rules.sketch
@@ -223,7 +234,7 @@ def chain_key(api: Api, doc: Mapping[str, object], rules: KeyRules) -> SessionKe
     node = sketch.key_node(chain) if sketch is not None else None
     if node is None:
         node = KeyNode(chain.hashes[0], 1, False)
-    elif sketch is not None and rules.learn:
+    elif sketch is not None and rules.learn and not _chained_turn(api, doc):
         sketch.observe(chain, node)
     return hash_key(
         KeySource.PREFIX, b"chain\x1f" + node.chain.to_bytes(8, "big"), rules.label_secret

@@ -74,6 +74,24 @@ def usage_of(api: Api, usage: object) -> Usage:
     return Usage(_int(usage.get("prompt_tokens")), cached, _int(usage.get("completion_tokens")))
 
 
+def _response_id(doc: Mapping[str, object]) -> str | None:
+    """The id of a Responses API response object (``"object": "response"``)."""
+    rid = doc.get("id")
+    return rid if doc.get("object") == "response" and isinstance(rid, str) and rid else None
+
+
+def response_id_from_body(body: bytes) -> str | None:
+    """The id of a whole (non-streaming) Responses API response; None for anything else (an
+    error body, a truncated one)."""
+    if b'"response"' not in body:
+        return None
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return _response_id(doc) if isinstance(doc, Mapping) else None
+
+
 def usage_from_body(api: Api, body: bytes) -> Usage | None:
     """Usage of a whole (non-streaming) response body; None when it carries none."""
     if b'"usage"' not in body:
@@ -102,6 +120,9 @@ class SseUsageScanner:
         self._api = api
         self._carry = b""
         self.usage: Usage | None = None
+        # Responses API: the response's id, from its first event (response.created).
+        self.response_id: str | None = None
+        self._wants_id = api is Api.OPENAI_RESPONSES
 
     def feed(self, chunk: bytes) -> None:
         data = self._carry + chunk
@@ -110,7 +131,9 @@ class SseUsageScanner:
         if len(self._carry) > self.MAX_CARRY:
             self._carry = b""  # a giant token delta: it cannot be a usage line we care about
         for line in lines:
-            if b'"usage"' in line and line.startswith(b"data:"):
+            if not line.startswith(b"data:"):
+                continue
+            if b'"usage"' in line or (self._wants_id and b'"response.created"' in line):
                 self._line(line[5:].strip())
 
     def finish(self) -> Usage | None:
@@ -140,5 +163,8 @@ class SseUsageScanner:
             return
         if self._api is Api.OPENAI_RESPONSES and isinstance(doc.get("response"), Mapping):
             doc = doc["response"]
+            if self._wants_id:
+                self.response_id = _response_id(doc)
+                self._wants_id = self.response_id is None
         if doc.get("usage") is not None:
             self.usage = usage_of(self._api, doc.get("usage"))

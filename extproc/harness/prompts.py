@@ -22,12 +22,13 @@ CHARS_PER_TOKEN = 4
 BLOCK_TOKENS = 512
 BLOCK_CHARS = BLOCK_TOKENS * CHARS_PER_TOKEN
 
-ApiKind = Literal["openai-chat", "openai-completions", "anthropic-messages"]
+ApiKind = Literal["openai-chat", "openai-completions", "anthropic-messages", "openai-responses"]
 
 API_PATHS: Mapping[ApiKind, str] = {
     "openai-chat": "/v1/chat/completions",
     "openai-completions": "/v1/completions",
     "anthropic-messages": "/v1/messages",
+    "openai-responses": "/v1/responses",
 }
 
 # Every word is at least 3 characters, so 512 words (plus separators) always fill a 2048-character
@@ -146,6 +147,47 @@ def _tools_text(tools: object) -> str:
     return "<|tools|>" + json.dumps(tools, sort_keys=True, separators=(",", ":")) + "\n"
 
 
+def _responses_items_text(items: object) -> str:
+    """Responses API ``input``: a string (one user message) or a list of items: messages
+    (role + content of input_text / output_text parts, or a string) and items without a role
+    (function_call, function_call_output, ...) whose fields are prompt tokens too."""
+    if isinstance(items, str):
+        return f"<|user|>{items}\n"
+    if not isinstance(items, list) or not items:
+        raise PromptError("input must be a string or a non-empty list")
+    out: list[str] = []
+    for index, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise PromptError(f"input[{index}] must be an object")
+        role = item.get("role")
+        if isinstance(role, str):
+            text = _content_text(item.get("content"), f"input[{index}].content")
+            out.append(f"<|{role}|>{text}\n")
+            continue
+        kind = item.get("type")
+        if not isinstance(kind, str):
+            raise PromptError(f"input[{index}] needs a role or a type")
+        fields = {k: v for k, v in item.items() if k not in ("id", "status")}
+        out.append(f"<|{kind}|>" + json.dumps(fields, sort_keys=True, separators=(",", ":")))
+        out.append("\n")
+    return "".join(out)
+
+
+def responses_prompt(body: Mapping[str, Any], earlier: str = "") -> str:
+    """A Responses API request's prompt; ``earlier``: the conversation so far when the request
+    names a ``previous_response_id`` (the previous response's prompt and output, which the
+    engine that stored it prepends)."""
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise PromptError("instructions must be a string")
+    head = f"<|system|>{instructions}\n" if instructions else ""
+    # The instructions of a previous response are not carried over (the Responses API's
+    # rule): a chained turn's own come after the conversation so far.
+    return (
+        earlier + head + _tools_text(body.get("tools")) + _responses_items_text(body.get("input"))
+    )
+
+
 def canonical_prompt(api: ApiKind, body: Mapping[str, Any]) -> str:
     """The text a model would prefill for this request.
 
@@ -154,6 +196,8 @@ def canonical_prompt(api: ApiKind, body: Mapping[str, Any]) -> str:
     """
     if api == "openai-chat":
         return _tools_text(body.get("tools")) + _messages_text(body.get("messages"), "messages")
+    if api == "openai-responses":
+        return responses_prompt(body)
     if api == "openai-completions":
         prompt = body.get("prompt")
         if isinstance(prompt, str):

@@ -6,6 +6,9 @@ real OpenAI-compatible / Anthropic-compatible backend:
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI), ``POST /v1/messages``
   (Anthropic), streaming (SSE) and not, each in its own wire format, with usage in the body
   (in streams: the last event before the terminator, like ``stream_options.include_usage``);
+- ``POST /v1/responses`` (OpenAI Responses API, ``sim_responses``): response objects, typed
+  stream events, and stored responses per cluster for ``previous_response_id`` (vLLM's 404
+  for an id this cluster does not hold);
 - ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /v1/models``;
 - ``POST /admin/fault`` to inject failures: ``none`` | ``refuse`` | ``error`` | ``slow`` |
   ``hang`` | ``reset`` (``GET`` shows the current one). ``error`` answers ``status`` (e.g. 429
@@ -59,7 +62,17 @@ from extproc.harness.prompts import (
     block_hashes,
     canonical_prompt,
     count_tokens,
+    responses_prompt,
 )
+from extproc.harness.sim_responses import (
+    PreviousResponseMissing,
+    ResponsesEvents,
+    ResponseStore,
+    new_response_id,
+    not_found_body,
+    response_object,
+)
+from extproc.harness.sim_responses import usage as responses_usage
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +224,11 @@ class _Parsed:
     hashes: tuple[int, ...]
     output_tokens: int
     requested_tokens: int
+    # Responses API: the request (echoed in the response object), its id and its prompt text
+    # (stored with the output for a later previous_response_id).
+    body: Mapping[str, Any] | None = None
+    response_id: str = ""
+    text: str = ""
 
 
 def _error_body(api: ApiKind, status: int, message: str) -> dict[str, object]:
@@ -228,7 +246,11 @@ def _error_body(api: ApiKind, status: int, message: str) -> dict[str, object]:
 
 
 def _requested_tokens(api: ApiKind, body: Mapping[str, Any]) -> int | None:
-    names = ("max_completion_tokens", "max_tokens") if api == "openai-chat" else ("max_tokens",)
+    names: tuple[str, ...] = ("max_tokens",)
+    if api == "openai-chat":
+        names = ("max_completion_tokens", "max_tokens")
+    elif api == "openai-responses":
+        names = ("max_output_tokens",)
     for name in names:
         value = body.get(name)
         if value is None:
@@ -248,6 +270,12 @@ def _finish_reason(parsed: _Parsed) -> str:
     if parsed.api == "anthropic-messages":
         return "max_tokens" if truncated else "end_turn"
     return "length" if truncated else "stop"
+
+
+def _responses_truncated(parsed: _Parsed) -> bool:
+    """Responses API: "incomplete" only when the request's own max_output_tokens cut it."""
+    limit = parsed.body.get("max_output_tokens") if parsed.body is not None else None
+    return isinstance(limit, int) and parsed.output_tokens >= limit
 
 
 def _openai_usage(parsed: _Parsed, plan: Plan) -> dict[str, object]:
@@ -310,6 +338,8 @@ class SimCluster:
         self.concurrency = ClassConcurrency()
         # Generations started per x-request-id.
         self.executions: collections.Counter[str] = collections.Counter()
+        # Responses API: stored responses (sim_responses), per cluster as per engine process.
+        self.responses = ResponseStore()
 
     @property
     def fault(self) -> Fault:
@@ -335,6 +365,7 @@ class SimCluster:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/messages", self._messages)
+        app.router.add_post("/v1/responses", self._responses_api)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
@@ -406,6 +437,9 @@ class SimCluster:
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         return await self._inference(request, "anthropic-messages")
 
+    async def _responses_api(self, request: web.Request) -> web.StreamResponse:
+        return await self._inference(request, "openai-responses")
+
     def _error(self, api: ApiKind, status: int, message: str) -> web.Response:
         self.metrics.requests.labels(api=api, code=str(status)).inc()
         return web.json_response(
@@ -419,7 +453,21 @@ class SimCluster:
             raise PromptError(f"body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise PromptError("body must be a JSON object")
-        text = canonical_prompt(api, body)
+        response_id = ""
+        if api == "openai-responses":
+            earlier = ""
+            previous = body.get("previous_response_id")
+            if previous is not None:
+                if not isinstance(previous, str):
+                    raise PromptError("previous_response_id must be a string")
+                found = self.responses.get(previous)
+                if found is None:
+                    raise PreviousResponseMissing(previous)
+                earlier = found
+            text = responses_prompt(body, earlier)
+            response_id = new_response_id()
+        else:
+            text = canonical_prompt(api, body)
         requested = _requested_tokens(api, body)
         max_output = self.config.max_output
         output = max_output if requested is None else min(requested, max_output)
@@ -432,6 +480,9 @@ class SimCluster:
             hashes=block_hashes(text),
             output_tokens=output,
             requested_tokens=output if requested is None else requested,
+            body=body if api == "openai-responses" else None,
+            response_id=response_id,
+            text=text if api == "openai-responses" else "",
         )
 
     async def _inference(self, request: web.Request, api: ApiKind) -> web.StreamResponse:
@@ -457,6 +508,11 @@ class SimCluster:
             parsed = self._parse(api, await request.read())
         except PromptError as exc:
             return self._error(api, 400, str(exc))
+        except PreviousResponseMissing as exc:
+            self.metrics.requests.labels(api=api, code="404").inc()
+            return web.json_response(
+                not_found_body(exc.response_id), status=404, headers=self._base_headers()
+            )
         self.executions[request.headers.get("x-request-id", "")] += 1
         if self._fault.mode == "reset":
             if request.transport is not None:
@@ -474,6 +530,7 @@ class SimCluster:
             return await self._stream(request, parsed, plan, request_id)
         await self._sleep_until(plan.done_at)
         body = self._full_body(parsed, plan, request_id)
+        self._store(parsed, _output_text(0, parsed.output_tokens))
         self.metrics.requests.labels(api=api, code="200").inc()
         headers = self._response_headers(plan, request.headers.get(ORCA_FORMAT_HEADER))
         return web.json_response(body, headers=headers, dumps=_dumps)
@@ -523,10 +580,27 @@ class SimCluster:
         )
         return headers
 
+    def _store(self, parsed: _Parsed, output: str) -> None:
+        """Responses API: keep the conversation so far for a later previous_response_id."""
+        if parsed.body is not None and parsed.body.get("store", True) is not False:
+            self.responses.put(parsed.response_id, parsed.text + f"<|assistant|>{output}\n")
+
     def _full_body(self, parsed: _Parsed, plan: Plan, request_id: int) -> dict[str, object]:
         text = _output_text(0, parsed.output_tokens)
         finish = _finish_reason(parsed)
         created = int(self._wall_clock())
+        if parsed.body is not None:
+            return response_object(
+                parsed.response_id,
+                parsed.body,
+                created,
+                text=text,
+                truncated=_responses_truncated(parsed),
+                usage_doc=responses_usage(
+                    parsed.prompt_tokens, plan.cached_tokens, parsed.output_tokens
+                ),
+                model=parsed.model,
+            )
         if parsed.api == "anthropic-messages":
             return {
                 "id": f"msg_sim{request_id}",
@@ -571,7 +645,17 @@ class SimCluster:
         response = web.StreamResponse(status=200, headers=self._response_headers(plan))
         response.content_type = "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
-        events = _StreamEvents(parsed, plan, request_id, int(self._wall_clock()))
+        events: _StreamEvents | _ResponsesStream = _StreamEvents(
+            parsed, plan, request_id, int(self._wall_clock())
+        )
+        if parsed.body is not None:
+            events = _ResponsesStream(
+                parsed,
+                plan,
+                ResponsesEvents(
+                    parsed.response_id, parsed.body, int(self._wall_clock()), parsed.model
+                ),
+            )
         total = parsed.output_tokens
         per_token = (plan.done_at - plan.first_token_at) / max(1, total - 1)
         step = 1 if per_token <= 0 else max(1, math.ceil(MIN_CHUNK_INTERVAL_S / per_token))
@@ -586,6 +670,7 @@ class SimCluster:
                 sent += count
             await response.write(events.closing())
             await response.write_eof()
+            self._store(parsed, _output_text(0, total))
         except ConnectionResetError:
             self.metrics.disconnects.inc()
             self.metrics.requests.labels(api=parsed.api, code="client_closed").inc()
@@ -684,6 +769,27 @@ class _StreamEvents:
         usage_chunk = self._openai_chunk(None)
         usage_chunk["usage"] = _openai_usage(self.parsed, self.plan)
         return _sse(finish_chunk) + _sse(usage_chunk) + b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class _ResponsesStream:
+    """The Responses API's events behind the same three calls as :class:`_StreamEvents`."""
+
+    parsed: _Parsed
+    plan: Plan
+    events: ResponsesEvents
+
+    def opening(self) -> bytes:
+        return self.events.opening(_output_text(0, 1))
+
+    def delta(self, start: int, count: int) -> bytes:
+        return self.events.delta(_output_text(start, count))
+
+    def closing(self) -> bytes:
+        usage = responses_usage(
+            self.parsed.prompt_tokens, self.plan.cached_tokens, self.parsed.output_tokens
+        )
+        return self.events.closing(_responses_truncated(self.parsed), usage)
 
 
 def _dumps(obj: Any) -> str:

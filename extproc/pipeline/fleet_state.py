@@ -22,6 +22,9 @@ Kept out of core/ because it is state over time and I/O:
   answers (fail-open: a lost override costs at most one cache miss, never a request) and Redis
   is left alone for the probe interval of the Redis health tracker it shares with the ledger
   (extproc/redis_health.py). Memory is always written too, so it is warm then.
+- :class:`LinkMemory` and ``P:resp:<link name>`` (PX = ``session.response_link_ttl_s``): Responses
+  API response id -> session links (extproc.core.response_links), learnt from responses and
+  followed by turns that name a ``previous_response_id``; same fail-open as the sessions.
 - :class:`FleetState` — the facade the servicer calls, plus the hot-key estimator.
 """
 
@@ -38,15 +41,23 @@ from redis.exceptions import RedisError
 from extproc.core.affinity import AffinityParams, Decision, Override, SessionView
 from extproc.core.facts import RequestFacts
 from extproc.core.hotkeys import HotKeys
-from extproc.core.keys import KeySource
+from extproc.core.keys import KeySource, SessionKey
 from extproc.core.load import ClusterLoad, FleetSnapshot, LoadReport
+from extproc.core.response_links import Link, link_name, make_link, read_link
 from extproc.metrics import Metrics
 from extproc.redis_client import AnyRedis, any_client
 from extproc.redis_health import PROBE_INTERVAL_S, RedisHealth
 
 log = logging.getLogger("extproc.affinity")
 
-__all__ = ["PROBE_INTERVAL_S", "FleetState", "LoadTable", "RedisSessions", "SessionMemory"]
+__all__ = [
+    "PROBE_INTERVAL_S",
+    "FleetState",
+    "LinkMemory",
+    "LoadTable",
+    "RedisSessions",
+    "SessionMemory",
+]
 
 
 class LoadTable:
@@ -153,6 +164,33 @@ class SessionMemory:
         return len(self._overrides)
 
 
+class LinkMemory:
+    """Response links of one replica (extproc.core.response_links): link name -> the session
+    and when the link expires; LRU-bounded."""
+
+    def __init__(self, max_links: int) -> None:
+        self.max_links = max_links
+        self._links: OrderedDict[bytes, tuple[SessionKey, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def get(self, name: bytes, now: float) -> SessionKey | None:
+        found = self._links.get(name)
+        if found is None:
+            return None
+        if found[1] <= now:
+            del self._links[name]
+            return None
+        return found[0]
+
+    def put(self, name: bytes, session: SessionKey, expires_at: float) -> None:
+        self._links.pop(name, None)
+        self._links[name] = (session, expires_at)
+        while len(self._links) > self.max_links:
+            self._links.popitem(last=False)
+
+
 class RedisSessions:
     """Seen marks and overrides shared by every replica (see the module docstring)."""
 
@@ -213,6 +251,20 @@ class RedisSessions:
         async with asyncio.timeout(self.timeout_s):
             await self.client.set(ov_key, override.cluster.encode(), px=ttl_ms)
 
+    def _link_key(self, name: bytes) -> str:
+        return f"{self.prefix}:resp:{name.hex()}"
+
+    async def link(self, name: bytes) -> bytes | None:
+        async with asyncio.timeout(self.timeout_s):
+            value = await self.client.get(self._link_key(name))
+        return value if isinstance(value, bytes) else None
+
+    async def write_link(self, link: Link, ttl_s: float) -> None:
+        async with asyncio.timeout(self.timeout_s):
+            await self.client.set(
+                self._link_key(link.name), link.value, px=max(1, int(ttl_s * 1000))
+            )
+
     async def close(self) -> None:
         await self.client.aclose()
 
@@ -230,6 +282,7 @@ class FleetState:
         self.metrics = metrics
         self.load = LoadTable()
         self.memory = SessionMemory(max_sessions)
+        self.links = LinkMemory(max_sessions)
         self.shared = shared
         # The service passes the ledger's tracker: one view of one Redis.
         self.health = health or RedisHealth()
@@ -316,6 +369,35 @@ class FleetState:
                 await self.shared.write(facts.session.store_key, override, now)
             except (RedisError, OSError) as exc:
                 self._shared_failed("write", exc, now)
+            else:
+                self.health.succeeded()
+
+    # -- response links (extproc.core.response_links) ---------------------------------------
+    async def follow(self, response_id: str, secret: bytes, now: float) -> SessionKey | None:
+        """The session that produced ``response_id``, if a link to it is known."""
+        name = link_name(secret, response_id)
+        found = self.links.get(name, now)
+        if found is not None or self.shared is None or not self._shared_usable(now):
+            return found
+        try:
+            value = await self.shared.link(name)
+        except (RedisError, OSError) as exc:
+            self._shared_failed("link_get", exc, now)
+            return None
+        self.health.succeeded()
+        return None if value is None else read_link(secret, response_id, value)
+
+    async def learn(
+        self, response_id: str, session: SessionKey, secret: bytes, now: float, ttl_s: float
+    ) -> None:
+        """Link ``response_id`` to ``session`` (memory always, Redis when configured)."""
+        link = make_link(secret, response_id, session)
+        self.links.put(link.name, session, now + ttl_s)
+        if self.shared is not None and self._shared_usable(now):
+            try:
+                await self.shared.write_link(link, ttl_s)
+            except (RedisError, OSError) as exc:
+                self._shared_failed("link_set", exc, now)
             else:
                 self.health.succeeded()
 

@@ -20,6 +20,7 @@ from extproc.core.affinity import Kind
 from extproc.core.api import Api, BadRequest
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
+from extproc.core.keys import SessionKey
 from extproc.core.usage import SseUsageScanner
 
 
@@ -52,6 +53,9 @@ class Hold:
     usage_scanner: SseUsageScanner | None = None
     # The cluster that served the response, when Envoy or the engine named one of ours.
     served_by: str | None = None
+    # Responses API with links on: the session the response's id is to be linked to, until
+    # the id is read (extproc.core.response_links).
+    link_session: SessionKey | None = None
 
     @property
     def held(self) -> bool:

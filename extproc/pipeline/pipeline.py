@@ -10,7 +10,7 @@ takes time as an argument. See ARCHITECTURE.md, "The path of one request".
     outcome = await pipeline.decide(headers, body, now)  # Routed | Rejected | BadRequest | ...
     ...                                                    # response phases:
     pipeline.observe_response(hold, response_headers, now)
-    pipeline.observe_response_body(hold, chunk, end_of_stream)
+    await pipeline.observe_response_body(hold, chunk, end_of_stream, now)
     await pipeline.release(hold)                           # when the exchange ends, always
 """
 
@@ -29,9 +29,10 @@ from extproc.core.decide import Route
 from extproc.core.endpoints import pick_endpoints
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
+from extproc.core.keys import KeySource
 from extproc.core.load import ORCA_HEADER, parse_load_headers
 from extproc.core.placement import mix64
-from extproc.core.usage import SseUsageScanner, Usage, usage_from_body
+from extproc.core.usage import SseUsageScanner, Usage, response_id_from_body, usage_from_body
 from extproc.ledger.gate import AdmissionGate
 from extproc.metrics import Metrics
 from extproc.pipeline.endpoint_health import EndpointHealth
@@ -163,6 +164,12 @@ class Pipeline:
             if record:
                 self._count_bad(facts, api)
             return facts
+        if (
+            facts.previous_response_id is not None
+            and runtime.response_link_ttl_s is not None
+            and facts.session.source is KeySource.PREFIX
+        ):
+            facts = await self._follow(runtime, facts, now, record)
         route = runtime.policy.route(facts)
         kind: Kind = "primary"
         if runtime.affinity.enabled:
@@ -195,6 +202,8 @@ class Pipeline:
             self.fleet.routed(primary)
         if runtime.inspect_usage:
             hold.usage_cluster = primary
+            if runtime.response_link_ttl_s is not None and facts.api is Api.OPENAI_RESPONSES:
+                hold.link_session = facts.session
         endpoints = self._endpoints(runtime, facts, route) if runtime.endpoint_picker else None
         if endpoints == ():
             self._metrics.routes.labels("no_endpoint").inc()
@@ -213,6 +222,19 @@ class Pipeline:
                 },
             )
         return Routed(facts, route, kind, hold, endpoints)
+
+    async def _follow(
+        self, runtime: Runtime, facts: RequestFacts, now: float, record: bool
+    ) -> RequestFacts:
+        """A Responses turn chained by previous_response_id takes the session of the response
+        it names, when that response's link is known (extproc.core.response_links)."""
+        assert facts.previous_response_id is not None
+        found = await self.fleet.follow(
+            facts.previous_response_id, runtime.key_rules.label_secret, now
+        )
+        if record:
+            self._metrics.response_links.labels("followed" if found else "unknown").inc()
+        return facts if found is None else dataclasses.replace(facts, session=found)
 
     def _count_bad(self, bad: BadRequest, api: Api) -> None:
         outcome = "too_large" if bad.status == 413 else "bad_request"
@@ -356,7 +378,9 @@ class Pipeline:
             return True
         return False
 
-    def observe_response_body(self, hold: Hold, chunk: bytes, end_of_stream: bool) -> None:
+    async def observe_response_body(
+        self, hold: Hold, chunk: bytes, end_of_stream: bool, now: float
+    ) -> None:
         """A piece of the response body (the whole body unless it streams as SSE)."""
         cluster = hold.usage_cluster
         if cluster is None:
@@ -367,9 +391,24 @@ class Pipeline:
             if end_of_stream:
                 self._account_usage(cluster, scanner.finish())
                 hold.usage_cluster = None
-        elif end_of_stream:
-            self._account_usage(cluster, usage_from_body(hold.api, chunk))
-            hold.usage_cluster = None
+            response_id = scanner.response_id
+        else:
+            if end_of_stream:
+                self._account_usage(cluster, usage_from_body(hold.api, chunk))
+                hold.usage_cluster = None
+            response_id = response_id_from_body(chunk) if hold.link_session else None
+        if response_id is not None and hold.link_session is not None:
+            session, hold.link_session = hold.link_session, None
+            runtime = self._runtime.current
+            ttl = runtime.response_link_ttl_s
+            if ttl is not None:
+                # Before the answer to this body phase: the body (or the event naming the
+                # id) reaches the client only after the link is stored, so the next turn,
+                # on whichever replica, finds it.
+                await self.fleet.learn(
+                    response_id, session, runtime.key_rules.label_secret, now, ttl
+                )
+                self._metrics.response_links.labels("learnt").inc()
 
     def _account_usage(self, cluster: str, usage: Usage | None) -> None:
         if usage is None:

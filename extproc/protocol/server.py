@@ -223,5 +223,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         hold = state.hold
         if hold is not None:
             msg = request.response_body
-            self.pipeline.observe_response_body(hold, msg.body, msg.end_of_stream)
+            await self.pipeline.observe_response_body(
+                hold, msg.body, msg.end_of_stream, self._clock()
+            )
         return responses.CONTINUE_RESPONSE_BODY
