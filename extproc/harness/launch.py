@@ -26,6 +26,7 @@ import yaml
 from extproc.config import load_runtime
 from extproc.render.envoy import EnvoyOptions, Mode, render_bootstrap
 from extproc.render.envoy_dynamic import split_bootstrap, write_atomically
+from extproc.render.envoy_xds import xds_bootstrap
 
 LOOPBACK = "127.0.0.1"
 
@@ -158,6 +159,8 @@ class FleetStack:
     access_log: bool = True
     # Envoy reads its clusters from a CDS file that the processor rewrites on config reload.
     dynamic_cds: bool = False
+    # Envoy gets its clusters from the processor over gRPC CDS (extproc serve --xds-cds).
+    xds_cds: bool = False
     # How long a processor keeps taking new streams after SIGTERM (serve --drain-delay). None:
     # none with one replica (no other replica to move them to), else 3.5 s: Envoy's extproc
     # health checks (every 1 s, 1 s timeout, two failures) have seen NOT_SERVING by then.
@@ -219,7 +222,9 @@ class FleetStack:
         log_path = str(self.workdir / "access.log") if self.access_log else None
         replicas = tuple(f"{LOOPBACK}:{p}" for p in self.grpc_ports)
         opts = EnvoyOptions(mode=self.mode, access_log_path=log_path, extproc_endpoints=replicas)
-        if self.dynamic_cds:
+        if self.xds_cds:
+            bootstrap = xds_bootstrap(runtime, opts)
+        elif self.dynamic_cds:
             bootstrap, cds = split_bootstrap(runtime, str(self.cds_path), opts)
             write_atomically(self.cds_path, yaml.safe_dump(cds, sort_keys=False))
         else:
@@ -329,6 +334,8 @@ class FleetStack:
         argv += list(self.processor_args) + list(extra)
         if self.dynamic_cds:
             argv += ["--envoy-cds", str(self.cds_path)]
+        if self.xds_cds:
+            argv += ["--xds-cds"]
         argv += ["--port", str(self.grpc_ports[index])]
         env = {"FLEET_SESSION_SECRET": self.session_secret, **self.processor_env}
         proc = Proc(f"extproc-{index}", argv, self.workdir / f"extproc-{index}.log", env)

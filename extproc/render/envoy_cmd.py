@@ -12,6 +12,7 @@ from extproc.config import ConfigError, load_runtime
 from extproc.render import write_output
 from extproc.render.envoy import MODES, EnvoyOptions, render_bootstrap
 from extproc.render.envoy_parts import PARTS, Part, render_part
+from extproc.render.envoy_xds import xds_bootstrap
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(filter: the ext_proc HTTP filter; clusters: every cluster it needs; routes: the "
         "route_config); see envoy/README.md",
     )
+    parser.add_argument(
+        "--xds",
+        action="store_true",
+        help="clusters from the processor over gRPC CDS (`extproc serve --xds-cds`) instead of"
+        " static ones",
+    )
     parser.add_argument("-o", "--output", default="-", help="output file (default stdout)")
 
 
@@ -51,11 +58,18 @@ def parse_map(items: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
-def render_text(config_path: str, opts: EnvoyOptions, part: Part | None = None) -> str:
+def render_text(
+    config_path: str, opts: EnvoyOptions, part: Part | None = None, xds: bool = False
+) -> str:
     runtime = load_runtime(config_path)
     what = "`extproc envoy`" if part is None else f"`extproc envoy --part {part}`"
     header = f"# Rendered by {what} from {config_path} (config version {runtime.version}).\n"
-    doc = render_bootstrap(runtime, opts) if part is None else render_part(runtime, part, opts)
+    if part is not None:
+        doc = render_part(runtime, part, opts)
+    elif xds:
+        doc = xds_bootstrap(runtime, opts)
+    else:
+        doc = render_bootstrap(runtime, opts)
     return header + yaml.safe_dump(doc, sort_keys=False, width=120)
 
 
@@ -64,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
         opts = EnvoyOptions(
             mode=args.mode, access_log_path=args.access_log or None, host_map=parse_map(args.map)
         )
-        text = render_text(args.config, opts, args.part)
+        if args.xds and (args.part or args.mode != "extproc"):
+            raise ValueError("--xds renders the whole extproc bootstrap: no --part, no --mode")
+        text = render_text(args.config, opts, args.part, args.xds)
     except (ConfigError, OSError, ValueError) as exc:
         print(str(exc), file=sys.stderr)
         return 2

@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--envoy-cds", default=None, help="keep this Envoy CDS file in step with fleet.yaml"
     )
     parser.add_argument(
+        "--xds-cds",
+        action="store_true",
+        help="serve Envoy its clusters over gRPC CDS on the processor's port (bootstrap:"
+        " `extproc envoy --xds`), no shared CDS file needed",
+    )
+    parser.add_argument(
         "--grace",
         type=float,
         default=None,
@@ -170,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
                 redis_url=args.redis_url or os.environ.get("FLEET_REDIS_URL") or None
             ),
             envoy_cds_path=args.envoy_cds,
+            xds_cds=args.xds_cds,
             seed=args.seed,
         )
     )

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from envoy.service.cluster.v3 import cds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
@@ -49,9 +50,11 @@ from extproc.pipeline.explain import explain_outcome, request_headers
 from extproc.pipeline.fleet_state import FleetState, RedisSessions
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import FleetProcessor
+from extproc.protocol.xds import ClusterDiscovery
 from extproc.redis_client import bounded_client
 from extproc.redis_health import RedisHealth
 from extproc.render.envoy_dynamic import write_cds, write_cds_union
+from extproc.render.envoy_xds import dynamic_clusters, union_clusters
 from extproc.serve.admin import AdminApp, start_admin
 from extproc.serve.drain import drain
 
@@ -83,6 +86,9 @@ class ServeOptions:
     # How long Envoy gets to apply a CDS file (watch, DNS, first health check) before the
     # processor relies on it.
     cds_settle_s: float = 2.0
+    # Serve Envoy its clusters over gRPC CDS on the processor's port (extproc/protocol/xds.py;
+    # the bootstrap from `extproc envoy --xds`), instead of or beside the CDS file.
+    xds_cds: bool = False
     seed: int | None = None
 
 
@@ -130,6 +136,10 @@ class Service:
             endpoint_health=self.endpoint_health,
             fleet=self._fleet_state(runtime),
         )
+        self.xds: ClusterDiscovery | None = None
+        if opts.xds_cds:
+            self.xds = ClusterDiscovery(self.registry)
+            self.xds.publish(runtime.version, dynamic_clusters(runtime))
         self.draining = False
         self.grpc_port = 0
         self.metrics_port = 0
@@ -219,12 +229,16 @@ class Service:
         if fresh.version == old:
             return True
         cds = self.opts.envoy_cds_path
-        if cds:
+        if cds or self.xds is not None:
             # Envoy must know every cluster the processor may name before the processor names
             # it, and keep every cluster an in-flight decision named until it is done: publish
             # the union of old and new first, switch, and only then drop what the new config
             # removed.
-            write_cds_union(self.holder.current, fresh, cds)
+            if cds:
+                write_cds_union(self.holder.current, fresh, cds)
+            if self.xds is not None:
+                union = union_clusters(self.holder.current, fresh)
+                self.xds.publish(f"{old}+{fresh.version}", union)
             await asyncio.sleep(self.opts.cds_settle_s)
         self.pipeline.use(self._local_view(fresh))
         self.gate.publish_limits(self.holder.current)
@@ -232,9 +246,12 @@ class Service:
             self.endpoint_health.update(fresh.endpoints, _health_paths(fresh))
         self._set_version(old, fresh.version)
         self.metrics.config_reloads.labels("applied").inc()
-        if cds:
+        if cds or self.xds is not None:
             await asyncio.sleep(self.opts.cds_settle_s)
-            write_cds(fresh, cds)
+            if cds:
+                write_cds(fresh, cds)
+            if self.xds is not None:
+                self.xds.publish(fresh.version, dynamic_clusters(fresh))
         log.info(
             "config reloaded",
             extra={
@@ -288,6 +305,8 @@ class Service:
         processor = FleetProcessor(self.pipeline, self.clock)
         ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if self.xds is not None:
+            cds_pb2_grpc.add_ClusterDiscoveryServiceServicer_to_server(self.xds, server)
         address = self.opts.address or cfg.processor.address
         port = cfg.processor.port if self.opts.port is None else self.opts.port
         self.grpc_port = server.add_insecure_port(f"{address}:{port}")

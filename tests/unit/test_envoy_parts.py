@@ -192,3 +192,20 @@ def test_routes_without_their_clusters_are_refused(tmp_path: Path) -> None:
     result = validate(embed(HOST, routes=parts()["routes"]), tmp_path)
     assert result.returncode != 0
     assert "all_clusters" in result.stderr + result.stdout
+
+
+def test_envoy_accepts_the_xds_bootstrap(tmp_path: Path) -> None:
+    text = subprocess.run(
+        [sys.executable, "-m", "extproc", "envoy", "--config", FLEET, "--xds"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    config = yaml.safe_load(text)
+    source = config["dynamic_resources"]["cds_config"]["api_config_source"]
+    assert source["grpc_services"] == [{"envoy_grpc": {"cluster_name": "extproc"}}]
+    assert [c["name"] for c in config["static_resources"]["clusters"]] == ["extproc"]
+    result = validate(config, tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:] + result.stdout[-2000:]
