@@ -22,9 +22,9 @@ from extproc.metrics import Metrics
 from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.outcomes import Rejected, Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
+from tests.stream.test_pipeline import headers
 from tests.support.redis_server import RedisServer
 
-CHAT = "/v1/chat/completions"
 CLUSTERS = ("c1", "c2", "c3")
 
 
@@ -39,15 +39,6 @@ def runtime(redis_url: str | None = None) -> Runtime:
     if redis_url:
         doc["redis"] = {"url": redis_url, "timeout_ms": 2000}
     return compile_runtime(parse_config(doc))
-
-
-def headers(sid: str) -> dict[str, str]:
-    return {
-        ":method": "POST",
-        ":path": CHAT,
-        "content-type": "application/json",
-        "x-session-id": sid,
-    }
 
 
 def body(i: int) -> bytes:

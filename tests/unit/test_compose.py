@@ -53,15 +53,20 @@ def find_tool(name: str) -> str:
 # --- compose/envoy.yaml --------------------------------------------------------------------
 
 
-def test_envoy_yaml_is_exactly_the_rendered_bootstrap() -> None:
-    rendered = subprocess.run(
-        [sys.executable, "-m", "extproc", "envoy", "--config", "compose/fleet.yaml"],
+def extproc_envoy(*args: str) -> str:
+    """What `extproc envoy --config compose/fleet.yaml ARGS` prints (run from the repo root)."""
+    return subprocess.run(
+        [sys.executable, "-m", "extproc", "envoy", "--config", "compose/fleet.yaml", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     ).stdout
+
+
+def test_envoy_yaml_is_exactly_the_rendered_bootstrap() -> None:
+    rendered = extproc_envoy()
     committed = ENVOY_YAML.read_text(encoding="utf-8")
     assert committed == rendered, (
         f"compose/envoy.yaml drifted from the renderer: run `{REGENERATE}`"

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import yaml
 from extproc.config import load_runtime
 from extproc.render.envoy import render_bootstrap
 from extproc.render.envoy_parts import PARTS, host_requirements, render_part
-from tests.unit.test_compose import find_tool
+from tests.unit.test_compose import extproc_envoy, find_tool
 
 REPO = Path(__file__).resolve().parents[2]
 PARTS_DIR = REPO / "envoy" / "parts"
@@ -137,14 +136,7 @@ def parts() -> dict[str, Any]:
 
 def test_checked_in_parts_are_exactly_the_rendered_ones() -> None:
     for part in PARTS:
-        rendered = subprocess.run(
-            [sys.executable, "-m", "extproc", "envoy", "--config", FLEET, "--part", part],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        ).stdout
+        rendered = extproc_envoy("--part", part)
         committed = (PARTS_DIR / f"{part}.yaml").read_text(encoding="utf-8")
         regenerate = f"extproc envoy --config {FLEET} --part {part} -o envoy/parts/{part}.yaml"
         assert committed == rendered, f"envoy/parts/{part}.yaml drifted: run `{regenerate}`"
@@ -195,15 +187,7 @@ def test_routes_without_their_clusters_are_refused(tmp_path: Path) -> None:
 
 
 def test_envoy_accepts_the_xds_bootstrap(tmp_path: Path) -> None:
-    text = subprocess.run(
-        [sys.executable, "-m", "extproc", "envoy", "--config", FLEET, "--xds"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    config = yaml.safe_load(text)
+    config = yaml.safe_load(extproc_envoy("--xds"))
     source = config["dynamic_resources"]["cds_config"]["api_config_source"]
     assert source["grpc_services"] == [{"envoy_grpc": {"cluster_name": "extproc"}}]
     assert [c["name"] for c in config["static_resources"]["clusters"]] == ["extproc"]
