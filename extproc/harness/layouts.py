@@ -189,7 +189,7 @@ def _body_builder(layout: str) -> LayoutBody:
         return API_PATHS["anthropic-messages"], _anthropic(o, d, t)
 
     def responses(o: str, d: str, t: list[_Turn]) -> tuple[str, dict[str, Any]]:
-        return "/v1/responses", {"input": _responses_input(o, d, t)}
+        return API_PATHS["openai-responses"], {"input": _responses_input(o, d, t)}
 
     return {
         "system": chat_system,
@@ -202,7 +202,7 @@ def _body_builder(layout: str) -> LayoutBody:
     }[layout]
 
 
-_API_OF_PATH: Mapping[str, str] = {path: api for api, path in API_PATHS.items()}
+_API_OF_PATH: Mapping[str, ApiKind] = {path: api for api, path in API_PATHS.items()}
 
 
 def generate_layout(config: LayoutConfig) -> list[ReplayRequest]:
@@ -226,13 +226,15 @@ def generate_layout(config: LayoutConfig) -> list[ReplayRequest]:
             a = synth.text(f"layout:{c}:a:{t}", rng.randint(*config.answer_chars))
             turns.append(_Turn(f"Question {c}.{t}: {q}", a))
             path, body = build(opening, doc, list(turns))
-            body = {"model": config.model, "max_tokens": config.max_tokens, **body}
-            api = _API_OF_PATH.get(path, "openai-responses")
+            # The Responses API names its output limit max_output_tokens.
+            limit = "max_output_tokens" if path == API_PATHS["openai-responses"] else "max_tokens"
+            body = {"model": config.model, limit: config.max_tokens, **body}
+            api = _API_OF_PATH[path]
             chars = sum(len(str(v)) for v in body.values())
             out.append(
                 ReplayRequest(
                     arrival_s=arrival,
-                    api=api,  # type: ignore[arg-type]  # "openai-responses" only offline
+                    api=api,
                     path=path,
                     body=body,
                     session_id=f"conv-{c}",
@@ -248,5 +250,4 @@ def generate_layout(config: LayoutConfig) -> list[ReplayRequest]:
 
 
 def api_kind(path: str) -> ApiKind | None:
-    kind = _API_OF_PATH.get(path)
-    return kind  # type: ignore[return-value]
+    return _API_OF_PATH.get(path)

@@ -267,6 +267,10 @@ def _int_or_none(value: object) -> int | None:
 
 def _usage_tokens(usage: Mapping[str, Any]) -> tuple[int | None, int | None]:
     """(prompt tokens, cached tokens) from an OpenAI or Anthropic usage object."""
+    if "input_tokens_details" in usage:  # OpenAI Responses API
+        details = usage.get("input_tokens_details")
+        cached = _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
+        return _int_or_none(usage.get("input_tokens")), cached or 0
     if "prompt_tokens" in usage:
         details = usage.get("prompt_tokens_details")
         cached = _int_or_none(details.get("cached_tokens")) if isinstance(details, dict) else None
@@ -370,10 +374,13 @@ class _Runner:
             if result.ttft_at is None:
                 result.ttft_at = self.clock()
             data = line[5:].strip()
-            # OpenAI streams end with "data: [DONE]", Anthropic ones with a message_stop event.
+            # OpenAI streams end with "data: [DONE]", Anthropic ones with a message_stop event,
+            # Responses API ones with response.completed / response.incomplete (usage inside).
             if data == b"[DONE]" or event_name == b"message_stop":
                 complete = True
                 continue
+            if event_name in (b"response.completed", b"response.incomplete"):
+                complete = True
             # Only events that carry usage are worth decoding; the rest are token deltas.
             if b'"usage"' not in data:
                 continue
@@ -381,9 +388,9 @@ class _Runner:
             if not isinstance(event, dict):
                 continue
             found = event.get("usage")
-            message = event.get("message")
+            message = event.get("message") or event.get("response")
             if found is None and isinstance(message, dict):
-                found = message.get("usage")  # Anthropic message_start
+                found = message.get("usage")  # Anthropic message_start, Responses events
             if isinstance(found, dict):
                 usage.update(found)
         result.done_at = self.clock()
