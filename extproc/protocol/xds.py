@@ -63,6 +63,7 @@ class ClusterDiscovery(cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: i
         self._serial = 0  # the nonce: one per published set
         self._response = discovery_pb2.DiscoveryResponse(type_url=CLUSTER_TYPE_URL)
         self._streams: set[asyncio.Event] = set()
+        self._closed = False
         self.acks = Counter(
             "fleet_xds_responses",
             "CDS responses Envoy answered, by result (ack: applied, nack: refused).",
@@ -72,6 +73,12 @@ class ClusterDiscovery(cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: i
         self.streams = Gauge(
             "fleet_xds_streams", "Envoy CDS streams open to this replica.", registry=registry
         )
+
+    def close(self) -> None:
+        """End every open stream (with OK); new ones end at once (a draining replica)."""
+        self._closed = True
+        for wake in self._streams:
+            wake.set()
 
     @property
     def version(self) -> str:
@@ -130,8 +137,8 @@ class ClusterDiscovery(cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: i
             while True:
                 await wake.wait()
                 wake.clear()
-                if reader.done():
-                    return  # Envoy closed the stream (or it broke): nothing to answer
+                if reader.done() or self._closed:
+                    return  # Envoy closed the stream (or it broke), or this replica drains
                 if self._serial != sent and self._serial > 0:
                     sent = self._serial
                     yield self._response

@@ -368,7 +368,8 @@ class Service:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         times = drain_times(self.holder.current.config, self.opts.grace_s, self.opts.drain_delay_s)
-        report = await drain(server, lambda: processor.active, times, time.monotonic)
+        stoppable = server if self.xds is None else _ClosingXds(server, self.xds)
+        report = await drain(stoppable, lambda: processor.active, times, time.monotonic)
         for watcher in watchers:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -390,6 +391,21 @@ class Service:
             },
         )
         return 0
+
+
+class _ClosingXds:
+    """The gRPC server for the drain, ending Envoy's CDS streams when new streams are refused:
+    a CDS stream never ends by itself, so the server's stop() would wait for it until the
+    drain limit (forever without one). Envoy keeps its clusters and reconnects to another
+    replica."""
+
+    def __init__(self, server: grpc.aio.Server, xds: ClusterDiscovery) -> None:
+        self._server = server
+        self._xds = xds
+
+    async def stop(self, grace: float | None) -> None:
+        self._xds.close()
+        await self._server.stop(grace)
 
 
 def _health_paths(runtime: Runtime) -> dict[str, str]:

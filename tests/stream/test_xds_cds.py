@@ -120,3 +120,30 @@ async def test_stream_serves_pushes_and_counts_acks() -> None:
         assert registry.get_sample_value("fleet_xds_streams") == 0
     finally:
         await server.stop(0)
+
+
+async def test_close_ends_open_streams_so_a_draining_server_can_stop() -> None:
+    registry = CollectorRegistry()
+    cds = ClusterDiscovery(registry)
+    cds.publish("v1", dynamic_clusters(runtime(2)))
+    server = grpc.aio.server()
+    cds_pb2_grpc.add_ClusterDiscoveryServiceServicer_to_server(cds, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    requests: asyncio.Queue[discovery_pb2.DiscoveryRequest | None] = asyncio.Queue()
+
+    async def outgoing() -> AsyncIterator[discovery_pb2.DiscoveryRequest]:
+        while (item := await requests.get()) is not None:
+            yield item
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = cds_pb2_grpc.ClusterDiscoveryServiceStub(channel).StreamClusters(outgoing())
+        await requests.put(discovery_pb2.DiscoveryRequest(type_url=CLUSTER_TYPE_URL))
+        assert (await asyncio.wait_for(call.read(), 10)).version_info == "v1"
+        cds.close()  # what the drain does when it stops taking new streams
+        assert await asyncio.wait_for(call.read(), 10) is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+        # Nothing holds the server's stop() now: it returns long before its 60 s grace (an
+        # open CDS stream would hold it the whole grace, and wait_for would time out).
+        await asyncio.wait_for(server.stop(60), 30)
+        await requests.put(None)
