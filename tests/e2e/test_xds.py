@@ -115,3 +115,6 @@ def test_cluster_added_and_removed_under_traffic(xds_stack: FleetStack) -> None:
     assert added < 1.0, added
     nacks = stack.processor_metrics().get(("fleet_xds_responses_total", (("result", "nack"),)), 0)
     assert nacks == 0
+    # SIGTERM: the replica drains and exits by itself; Envoy's CDS stream, which never ends on
+    # its own, does not hold it (a kill after the timeout would give -9).
+    assert stack.procs[0].stop(timeout=30) == 0, dump_logs(stack)
