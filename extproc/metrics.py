@@ -48,6 +48,14 @@ class Metrics:
             ["cluster"],
             registry=registry,
         )
+        self.prefill_choices = Counter(
+            "fleet_prefill_choices",
+            "Disaggregated requests by how their prefill endpoint relates to the decode target"
+            " (a topology level, cross, or colocated: no prefiller, the decode target prefills)"
+            " and why it was chosen (affinity, load, fallback, none).",
+            ["relation", "reason"],
+            registry=registry,
+        )
         self.passthrough = Counter(
             "fleet_passthrough_requests",
             "Requests on non-inference paths, left to Envoy's fallback route.",

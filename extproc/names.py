@@ -17,6 +17,12 @@ CLASS_HEADER = "x-fleet-class"
 SESSION_HEADER = "x-fleet-session"
 FLEET_HEADERS = (ROUTE_HEADER, PRIMARY_HEADER, SECONDARY_HEADER, CLASS_HEADER, SESSION_HEADER)
 
+# Disaggregated prefill/decode: llm-d's request header naming the prefill endpoint (host:port)
+# for the routing sidecar in the decode pod (llm-d-inference-scheduler PrefillEndpointHeader).
+# The sidecar dials whatever it names, so a client must never set it: it is internal-only too.
+PREFILLER_HEADER = "x-prefiller-host-port"
+PD_HEADERS = (PREFILLER_HEADER,)
+
 # Headroom above the processor's own body limit in every proxy buffer we render (Envoy's
 # per-request buffer, Envoy Gateway's bufferLimit), so that the processor, not the proxy,
 # answers an oversized body (with a JSON 413 in the API's format instead of a plain-text one).

@@ -13,7 +13,12 @@ from pydantic import ValidationError
 
 from extproc.config.label_secret import LabelSecretError
 from extproc.config.runtime import Overrides, Runtime, compile_runtime
-from extproc.config.schema import RESERVED_CLUSTER_NAMES, ClassConfig, FleetConfig
+from extproc.config.schema import (
+    RESERVED_CLUSTER_NAMES,
+    BudgetConfig,
+    ClassConfig,
+    FleetConfig,
+)
 from extproc.core.admission import effective_burst
 from extproc.core.fleet import Budget
 from extproc.names import FLEET_HEADER_PREFIX
@@ -152,6 +157,7 @@ def cross_check(cfg: FleetConfig) -> list[str]:
                 f"session.{field}: {FLEET_HEADER_PREFIX}* headers are reserved for the processor"
             )
     problems.extend(_affinity_problems(cfg))
+    problems.extend(_pd_problems(cfg))
     ports = {
         "listener.port": cfg.listener.port,
         "listener.admin_port": cfg.listener.admin_port,
@@ -163,6 +169,63 @@ def cross_check(cfg: FleetConfig) -> list[str]:
         if port and port in seen_ports:
             problems.append(f"{path}: port {port} is also {seen_ports[port]}")
         seen_ports.setdefault(port, path)
+    return problems
+
+
+def _pd_problems(cfg: FleetConfig) -> list[str]:
+    """Roles, topology labels and disaggregated classes (extproc.core.pd)."""
+    problems: list[str] = []
+    roles = {c.name: c.role for c in cfg.clusters}
+    levels = [lvl.name for lvl in cfg.topology.levels]
+    for i, lvl in enumerate(levels):
+        if lvl in levels[:i]:
+            problems.append(f"topology.levels[{i}].name: duplicate of levels[{levels.index(lvl)}]")
+    for i, cluster in enumerate(cfg.clusters):
+        for key in cluster.topology:
+            if key not in levels:
+                problems.append(
+                    f"clusters[{i}].topology.{key}: not a topology level (topology.levels: "
+                    f"{levels or 'none'})"
+                )
+    if all(role == "prefill" for role in roles.values()):
+        problems.append("clusters: every cluster is prefill-only; at least one must decode")
+    prefill = [n for n, r in roles.items() if r == "prefill"]
+    for i, cls in enumerate(cfg.classes):
+        for j, ref in enumerate(cls.eligible):
+            if roles.get(ref) == "prefill":
+                # eligible clusters are where the request (and its session's KV) runs.
+                problems.append(
+                    f"classes[{i}].eligible[{j}]: {ref!r} is a prefill-only cluster; list it "
+                    "in prefill_eligible"
+                )
+        for j, ref in enumerate(cls.prefill_eligible):
+            if ref not in roles:
+                problems.append(f"classes[{i}].prefill_eligible[{j}]: no cluster named {ref!r}")
+            elif roles[ref] != "prefill":
+                problems.append(
+                    f"classes[{i}].prefill_eligible[{j}]: {ref!r} has role {roles[ref]!r}, "
+                    "not 'prefill'"
+                )
+        if not cls.disaggregated:
+            if cls.prefill_eligible or cls.prefill_budget != BudgetConfig():
+                problems.append(
+                    f"classes[{i}]: prefill_eligible / prefill_budget need disaggregated: true"
+                )
+            continue
+        if not prefill:
+            problems.append(f"classes[{i}].disaggregated: no cluster has role 'prefill'")
+        b, limit = cls.prefill_budget, cls.max_input_tokens
+        if b.max_inflight_tokens and limit and b.max_inflight_tokens < limit - 1:
+            problems.append(
+                f"classes[{i}].prefill_budget.max_inflight_tokens: must be >= max_input_tokens "
+                f"- 1 ({limit - 1}) or the largest requests of the class never fit"
+            )
+        burst = effective_burst(Budget(0, 0, b.tokens_per_second, b.burst_tokens))
+        if b.tokens_per_second and limit and burst < limit - 1:
+            problems.append(
+                f"classes[{i}].prefill_budget.burst_tokens: must be >= max_input_tokens - 1 "
+                f"({limit - 1}) or the largest requests of the class never fit"
+            )
     return problems
 
 

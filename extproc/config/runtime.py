@@ -24,6 +24,13 @@ from extproc.core.facts import ParseLimits
 from extproc.core.fleet import Budget, Cluster, RequestClass
 from extproc.core.keys import KeyRules
 from extproc.core.load import LOAD_HEADERS
+from extproc.core.pd import (
+    PdPlan,
+    PrefillEndpoint,
+    PrefillParams,
+    Topology,
+    prefill_class_name,
+)
 from extproc.core.placement import Rendezvous
 from extproc.core.usage import Prices
 
@@ -72,6 +79,8 @@ class Runtime:
     # The response headers the pipeline reads when it reads any: load reports, the serving
     # cluster's name, the content type (SSE or not, for usage inspection).
     response_headers: tuple[str, ...] = (*LOAD_HEADERS, "x-served-by", "content-type")
+    # Disaggregated prefill/decode (extproc.core.pd); None when no class is disaggregated.
+    pd: PdPlan | None = None
 
     @property
     def cluster_names(self) -> tuple[str, ...]:
@@ -101,7 +110,10 @@ def compile_runtime(
         )
         for c in cfg.classes
     )
-    everyone = Rendezvous.of([(c.name, c.weight) for c in clusters])
+    # Prefill-only clusters never take a request (or a session) themselves: the decode-side
+    # sidecar sends them the prefill half (extproc.core.pd).
+    roles = {c.name: c.role for c in cfg.clusters}
+    everyone = Rendezvous.of([(c.name, c.weight) for c in clusters if roles[c.name] != "prefill"])
     placers = {
         cls.name: Rendezvous.of([(n, weights[n]) for n in cls.eligible])
         if cls.eligible
@@ -155,6 +167,7 @@ def compile_runtime(
         ),
         max_sessions=cfg.affinity.max_sessions,
         served_by_header=served,
+        pd=pd_plan(cfg, classes),
         response_headers=(
             *(LOAD_HEADERS if cfg.affinity.load_from_response_headers else ()),
             *([served] if served else []),
@@ -178,4 +191,46 @@ def affinity_params(cfg: AffinityConfig) -> AffinityParams:
     """
     return AffinityParams(
         **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(AffinityParams)}
+    )
+
+
+def pd_plan(cfg: FleetConfig, classes: tuple[RequestClass, ...]) -> PdPlan | None:
+    """The compiled P/D settings, or None when no class is disaggregated."""
+    if not any(c.disaggregated for c in cfg.classes):
+        return None
+    topo = cfg.topology
+    topology = Topology(
+        tuple(lvl.name for lvl in topo.levels),
+        tuple(lvl.gbytes_per_s * 1e9 for lvl in topo.levels),
+        topo.cross_gbytes_per_s * 1e9,
+    )
+    labels = {c.name: topology.labels(c.topology) for c in cfg.clusters}
+    prefill = [c for c in cfg.clusters if c.role == "prefill"]
+    pools: dict[str, tuple[PrefillEndpoint, ...]] = {}
+    budgets: dict[str, RequestClass] = {}
+    for spec, cls in zip(cfg.classes, classes, strict=True):
+        if not spec.disaggregated:
+            continue
+        members = [
+            c for c in prefill if not spec.prefill_eligible or c.name in spec.prefill_eligible
+        ]
+        pools[cls.name] = tuple(
+            PrefillEndpoint(e, c.name, labels[c.name]) for c in members for e in c.endpoints
+        )
+        b = spec.prefill_budget
+        budgets[cls.name] = RequestClass(
+            name=prefill_class_name(cls.name),
+            max_input_tokens=cls.max_input_tokens,
+            budget=Budget(
+                b.max_inflight_tokens, b.max_concurrent, b.tokens_per_second, b.burst_tokens
+            ),
+        )
+    d = cfg.disaggregation
+    return PdPlan(
+        topology=topology,
+        params=PrefillParams(d.saturation_factor, d.min_inflight, d.cross_island),
+        cluster_labels=MappingProxyType(labels),
+        pools=MappingProxyType(pools),
+        prefill_classes=MappingProxyType(budgets),
+        kv_bytes_per_token=d.kv_bytes_per_token,
     )

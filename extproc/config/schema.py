@@ -14,6 +14,9 @@ RESERVED_CLUSTER_NAMES = frozenset({"extproc", "all_clusters"})
 ClusterName = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$", max_length=48)]
 ClassName = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9_-]*[a-z0-9])?$", max_length=48)]
 HeaderName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")]
+# Kubernetes label-value syntax, so topology labels can come from node labels.
+TopologyKey = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9_-]*[a-z0-9])?$", max_length=63)]
+TopologyLabel = Annotated[str, Field(pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")]
 
 
 class Strict(BaseModel):
@@ -101,6 +104,9 @@ class ClusterConfig(Strict):
     # (extproc.core.engine_metrics). vLLM is the default, as in the Inference Extension.
     engine: Literal["vllm", "sglang"] = "vllm"
     metrics_path: str = Field(default="/metrics", pattern=r"^/")
+    # Disaggregated prefill/decode (extproc.core.pd; DisaggregationConfig below).
+    role: Literal["both", "prefill", "decode"] = "both"
+    topology: dict[TopologyKey, TopologyLabel] = {}
 
 
 class SessionConfig(Strict):
@@ -166,6 +172,12 @@ class ClassConfig(Strict):
     tiers: list[str] = []
     eligible: list[str] = []
     budget: BudgetConfig = BudgetConfig()
+    # P/D: prefill on a prefill-role cluster, decode on this class's (decode) clusters.
+    disaggregated: bool = False
+    prefill_eligible: list[str] = []  # empty: every prefill-role cluster
+    # The prefill pool's budget, per prefill cluster, in prefill (input) tokens; ``budget``
+    # stays the decode pool's.
+    prefill_budget: BudgetConfig = BudgetConfig()
 
 
 class RedisConfig(Strict):
@@ -247,6 +259,37 @@ def _default_classes() -> list[ClassConfig]:
     ]
 
 
+class TopologyLevel(Strict):
+    # A label key clusters carry under ``topology`` (e.g. nvlink, island).
+    name: TopologyKey
+    # KV-transfer bandwidth between two hosts whose narrowest shared label is this one.
+    gbytes_per_s: float = Field(gt=0, allow_inf_nan=False)
+
+
+class TopologyConfig(Strict):
+    """The fabric, narrowest level first (e.g. an NVLink domain, then an InfiniBand island)."""
+
+    levels: list[TopologyLevel] = []
+    # Between hosts sharing no level (the spine / data-centre network).
+    cross_gbytes_per_s: float = Field(default=12.5, gt=0, allow_inf_nan=False)
+
+
+class DisaggregationConfig(Strict):
+    """How the prefill endpoint is chosen (extproc.core.pd) and the KV size the simulator,
+    benchmarks and ``explain`` use to cost the transfer. The pair is signalled with llm-d's
+    ``x-prefiller-host-port`` request header, read by the decode-side routing sidecar."""
+
+    # A hashed prefill endpoint with more prefills in flight than this factor x its group's
+    # mean (and at least min_inflight) yields to the least loaded one of the group.
+    saturation_factor: float = Field(default=1.25, gt=1)
+    min_inflight: int = Field(default=4, ge=1)
+    # Off: no ready prefiller in any level shared with the decode target -> colocated prefill.
+    cross_island: bool = True
+    # KV bytes per prompt token: 80 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes for a
+    # 70B GQA model in fp16 (1.34 GB at 4,096 tokens).
+    kv_bytes_per_token: int = Field(default=327_680, gt=0)
+
+
 class FleetConfig(Strict):
     version: Literal[1]
     listener: ListenerConfig = ListenerConfig()
@@ -259,3 +302,5 @@ class FleetConfig(Strict):
     prices: PricesConfig = PricesConfig()
     affinity: AffinityConfig = AffinityConfig()
     engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
+    topology: TopologyConfig = TopologyConfig()
+    disaggregation: DisaggregationConfig = DisaggregationConfig()

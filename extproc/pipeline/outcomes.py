@@ -21,6 +21,7 @@ from extproc.core.api import Api, BadRequest
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
 from extproc.core.keys import SessionKey
+from extproc.core.pd import PrefillChoice
 from extproc.core.usage import SseUsageScanner
 
 
@@ -56,11 +57,20 @@ class Hold:
     # Responses API with links on: the session the response's id is to be linked to, until
     # the id is read (extproc.core.response_links).
     link_session: SessionKey | None = None
+    # Disaggregated requests only: the prefill pool's reservation and the prefill endpoint
+    # counted in flight (extproc.core.pd).
+    prefill_ticket: Ticket | None = None
+    prefill_endpoint: str | None = None
 
     @property
     def held(self) -> bool:
         """Whether release() has anything to give back."""
-        return self.ticket is not None or self.routed_to is not None
+        return (
+            self.ticket is not None
+            or self.routed_to is not None
+            or self.prefill_ticket is not None
+            or self.prefill_endpoint is not None
+        )
 
 
 # Not frozen: a frozen dataclass's __init__ costs about a microsecond more per request, and
@@ -75,6 +85,9 @@ class Routed:
     # Endpoint-picker mode only: the endpoints Envoy should try, in order; empty when no
     # endpoint of any candidate cluster is ready (answered with a 503). None in route mode.
     endpoints: tuple[str, ...] | None = None
+    # Disaggregated classes only: the prefill endpoint signalled to the decode-side sidecar
+    # (None in the choice: the decode target prefills itself).
+    prefill: PrefillChoice | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,8 @@ from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
 from extproc.core.keys import KeySource
 from extproc.core.load import ORCA_HEADER, parse_load_headers
-from extproc.core.placement import mix64
+from extproc.core.pd import PrefillChoice
+from extproc.core.placement import Placement, mix64
 from extproc.core.usage import SseUsageScanner, Usage, response_id_from_body, usage_from_body
 from extproc.ledger.gate import AdmissionGate
 from extproc.metrics import Metrics
@@ -82,6 +83,9 @@ class Pipeline:
         # traffic (a hot request after every other request would see only even salts).
         self._decisions = 0
         self._owners: tuple[Runtime | None, Mapping[str, str]] = (None, {})
+        # Prefills in flight per prefill endpoint (disaggregated classes): the load half of the
+        # prefill choice (extproc.core.pd).
+        self._prefill_inflight: dict[str, int] = {}
 
     @property
     def metrics(self) -> Metrics:
@@ -177,15 +181,19 @@ class Pipeline:
             route = Route(decision.placement, route.request_class)
             kind = decision.kind
         elif self._endpoint_health is not None and not runtime.endpoint_picker:
-            # Probed clusters (processor.probe_clusters): a primary with no ready endpoint is
-            # not placed on, so the request is admitted against the budget of the cluster
-            # that will serve it (affinity does the same through its load snapshot).
+            # Probed clusters (processor.probe_clusters, or a P/D fleet): a primary with no
+            # ready endpoint is not placed on, so the request is admitted against the budget of
+            # the cluster that will serve it (affinity does the same through its load
+            # snapshot), and a P/D prefiller is chosen in that cluster's island.
             route = self._around_unready(runtime, facts, route, record)
+        prefill = self._choose_prefill(runtime, facts, route)
         if not record:
             planned = plan(request_tokens(facts), route)
             if isinstance(planned, Reject):
                 return Rejected(facts, route, kind, planned)
-            return Routed(facts, route, kind, Hold(api), self._endpoints(runtime, facts, route))
+            return Routed(
+                facts, route, kind, Hold(api), self._endpoints(runtime, facts, route), prefill
+            )
         hold = Hold(api)
         if self._gate is not None:
             admission = await self._gate.admit(facts, route)
@@ -194,6 +202,19 @@ class Pipeline:
                 return Rejected(facts, route, kind, admission)
             if isinstance(admission, Admitted):
                 hold.ticket = admission.ticket
+            refused = await self._admit_prefill(runtime, facts, route, prefill, hold)
+            if refused is not None:
+                self._count_reject(facts, refused, headers)
+                if hold.ticket is not None:
+                    ticket, hold.ticket = hold.ticket, None
+                    await asyncio.shield(self._gate.release(ticket))
+                return Rejected(facts, route, kind, refused)
+        if prefill is not None:
+            self._metrics.prefill_choices.labels(prefill.relation, prefill.reason).inc()
+            address = prefill.address
+            if address is not None:
+                hold.prefill_endpoint = address
+                self._prefill_inflight[address] = self._prefill_inflight.get(address, 0) + 1
         self._metrics.requests.labels(facts.api.value, route.request_class.name, "routed").inc()
         self._metrics.routes.labels(kind).inc()
         primary = route.placement.primary
@@ -221,7 +242,45 @@ class Pipeline:
                     "input_tokens": facts.input_tokens,
                 },
             )
-        return Routed(facts, route, kind, hold, endpoints)
+        return Routed(facts, route, kind, hold, endpoints, prefill)
+
+    def _choose_prefill(
+        self, runtime: Runtime, facts: RequestFacts, route: Route
+    ) -> PrefillChoice | None:
+        """Disaggregated classes: the prefill endpoint for the decided decode target (the
+        primary; the secondary, when Envoy fails over to it, gets the same prefiller)."""
+        pd = runtime.pd
+        if pd is None:
+            return None
+        ready = self._endpoint_health.ready if self._endpoint_health is not None else None
+        return pd.choose(
+            route.request_class.name,
+            route.placement.primary,
+            facts.session.point,
+            self._prefill_inflight,
+            ready,
+        )
+
+    async def _admit_prefill(
+        self,
+        runtime: Runtime,
+        facts: RequestFacts,
+        route: Route,
+        prefill: PrefillChoice | None,
+        hold: Hold,
+    ) -> Reject | None:
+        """Reserve the prefill pool's budget (prefill tokens, per prefill cluster) apart from
+        the decode pool's: a prefill burst is refused there and leaves decode budgets alone."""
+        if prefill is None or prefill.endpoint is None or runtime.pd is None or not self._gate:
+            return None
+        cls = runtime.pd.prefill_classes[route.request_class.name]
+        prefill_route = Route(Placement(prefill.endpoint.cluster, None), cls)
+        admission = await self._gate.admit(facts, prefill_route)
+        if isinstance(admission, Reject):
+            return admission
+        if isinstance(admission, Admitted):
+            hold.prefill_ticket = admission.ticket
+        return None
 
     async def _follow(
         self, runtime: Runtime, facts: RequestFacts, now: float, record: bool
@@ -446,6 +505,16 @@ class Pipeline:
         routed, hold.routed_to = hold.routed_to, None
         if routed is not None:
             self.fleet.finished(routed)
+        prefiller, hold.prefill_endpoint = hold.prefill_endpoint, None
+        if prefiller is not None:
+            left = self._prefill_inflight.get(prefiller, 0) - 1
+            if left > 0:
+                self._prefill_inflight[prefiller] = left
+            else:
+                self._prefill_inflight.pop(prefiller, None)
+        prefill_ticket, hold.prefill_ticket = hold.prefill_ticket, None
+        if prefill_ticket is not None and self._gate is not None:
+            await asyncio.shield(self._gate.release(prefill_ticket))
         ticket, hold.ticket = hold.ticket, None
         if ticket is not None and self._gate is not None:
             # Shielded: the stream may be ending by cancellation (client or upstream abort), and

@@ -18,6 +18,7 @@ from extproc.core.load import ORCA_FORMAT, ORCA_FORMAT_HEADER
 from extproc.core.ratelimit_headers import rate_limit_headers
 from extproc.names import (
     CLASS_HEADER,
+    PREFILLER_HEADER,
     PRIMARY_HEADER,
     ROUTE_HEADER,
     SECONDARY_HEADER,
@@ -74,7 +75,11 @@ class RouteAnswers:
         return entry
 
     def route(
-        self, route: Route, facts: RequestFacts, ask_load_report: bool = False
+        self,
+        route: Route,
+        facts: RequestFacts,
+        ask_load_report: bool = False,
+        prefiller: str | None = None,
     ) -> ep.ProcessingResponse:
         """Set routing headers and make Envoy re-pick the route.
 
@@ -97,6 +102,9 @@ class RouteAnswers:
             # vLLM attaches its ORCA endpoint-load-metrics to a (non-streaming) response only
             # when the request asks for it.
             sets.append(self._entry(ORCA_FORMAT_HEADER, ORCA_FORMAT))
+        if prefiller is not None:
+            # P/D: the decode-side sidecar (llm-d) prefills there, then decodes locally.
+            sets.append(self._entry(PREFILLER_HEADER, prefiller))
         return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
 
 
@@ -107,7 +115,7 @@ LB_NAMESPACE = "envoy.lb"
 
 
 def endpoint_response(
-    route: Route, facts: RequestFacts, endpoints: Sequence[str]
+    route: Route, facts: RequestFacts, endpoints: Sequence[str], prefiller: str | None = None
 ) -> ep.ProcessingResponse:
     """Body-phase answer in endpoint-picker mode: the primary's endpoint, then the fallback.
 
@@ -120,6 +128,8 @@ def endpoint_response(
     sets.append(_set(PRIMARY_HEADER, route.placement.primary))
     sets.append(_set(CLASS_HEADER, route.request_class.name))
     sets.append(_set(SESSION_HEADER, facts.session.label))
+    if prefiller is not None:
+        sets.append(_set(PREFILLER_HEADER, prefiller))
     metadata = struct_pb2.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: value}})
     return ep.ProcessingResponse(

@@ -177,9 +177,10 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         """The Envoy answer for an outcome; ``proceed`` is this phase's "continue"."""
         if isinstance(outcome, Routed):
             state.hold = outcome.hold
+            prefiller = outcome.prefill.address if outcome.prefill is not None else None
             if outcome.endpoints is None:
                 return self._answers.route(
-                    outcome.route, outcome.facts, self.pipeline.asks_load_reports
+                    outcome.route, outcome.facts, self.pipeline.asks_load_reports, prefiller
                 )
             if not outcome.endpoints:
                 return responses.error_response(
@@ -188,7 +189,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     "no inference endpoint is ready",
                     "no_ready_endpoint",
                 )
-            return responses.endpoint_response(outcome.route, outcome.facts, outcome.endpoints)
+            return responses.endpoint_response(
+                outcome.route, outcome.facts, outcome.endpoints, prefiller
+            )
         if isinstance(outcome, Rejected):
             return responses.reject_response(
                 outcome.reject, outcome.facts.api.error_style, self._wall_clock()

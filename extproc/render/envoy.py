@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from extproc.config.runtime import Runtime
 from extproc.core.fleet import Cluster
-from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, ROUTE_HEADER
+from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, PD_HEADERS, ROUTE_HEADER
 from extproc.render.envoy_served import observes_responses, response_attributes, tag_endpoint
 from extproc.render.local_reply import local_reply_config
 
@@ -369,9 +369,10 @@ def _access_log(path: str) -> list[Json]:
 
 
 def internal_only_headers(runtime: Runtime) -> list[str]:
-    """Headers only a trusted hop may set: the processor's own and the tenant tier."""
+    """Headers only a trusted hop may set: the processor's own (with the P/D prefiller header,
+    which makes the decode-side sidecar dial a host) and the tenant tier."""
     tier = runtime.config.session.tier_header
-    return [*FLEET_HEADERS, *([tier] if tier else [])]
+    return [*FLEET_HEADERS, *PD_HEADERS, *([tier] if tier else [])]
 
 
 def _path_normalisation() -> Json:

@@ -127,7 +127,13 @@ class Service:
         )
         self.health = health.aio.HealthServicer()
         self.endpoint_health: EndpointHealth | None = None
-        if runtime.endpoint_picker or runtime.config.processor.probe_clusters:
+        # Endpoint picking and probe_clusters need every endpoint's readiness; so does P/D,
+        # whose prefill choice skips dead prefillers (the decode-side sidecar answers 502).
+        if (
+            runtime.endpoint_picker
+            or runtime.config.processor.probe_clusters
+            or runtime.pd is not None
+        ):
             self.endpoint_health = EndpointHealth(runtime.endpoints, _health_paths(runtime))
         self.pipeline = Pipeline(
             self.holder,

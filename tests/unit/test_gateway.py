@@ -29,7 +29,7 @@ import yaml
 from extproc import cli
 from extproc.config import Runtime, compile_runtime, load_config, parse_config
 from extproc.core.placement import Placement
-from extproc.names import FLEET_HEADERS, ROUTE_HEADER
+from extproc.names import FLEET_HEADERS, PD_HEADERS, ROUTE_HEADER
 from extproc.render.gateway import (
     GatewayOptions,
     GatewayRenderError,
@@ -533,9 +533,12 @@ def test_client_policy_raises_buffer_limit_and_strips_fleet_headers() -> None:
     value = int(limit[:-2]) * units[limit[-2:]] if limit[-2:] in units else int(limit)
     assert value == fleet.runtime.config.processor.max_body_bytes + (1 << 20)
     # Changed with issue 12: the tier header is stripped too (the compose fleet has one).
+    # Changed with issue 18: so is llm-d's x-prefiller-host-port (the decode-side sidecar
+    # dials whatever it names).
     tier = fleet.runtime.config.session.tier_header
     assert tier is not None
-    assert policy["spec"]["headers"]["earlyRequestHeaders"]["remove"] == [*FLEET_HEADERS, tier]
+    remove = policy["spec"]["headers"]["earlyRequestHeaders"]["remove"]
+    assert remove == [*FLEET_HEADERS, *PD_HEADERS, tier]
     assert policy["spec"]["connection"]["connectionLimit"] == {"value": 10_000}
     assert policy["spec"]["http2"] == {
         "maxConcurrentStreams": 100,
@@ -570,6 +573,7 @@ def test_client_policy_strips_a_client_sent_tier_header() -> None:
     policy = one(render(fleet_from_dict(data)), "ClientTrafficPolicy")
     assert policy["spec"]["headers"]["earlyRequestHeaders"]["remove"] == [
         *FLEET_HEADERS,
+        *PD_HEADERS,
         "x-tier",
     ]
 

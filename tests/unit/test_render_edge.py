@@ -12,7 +12,7 @@ import pytest
 
 from extproc.config import compile_runtime, load_runtime, parse_config
 from extproc.config.runtime import Runtime
-from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS
+from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, PD_HEADERS
 from extproc.render.envoy import (
     FALLBACK_CLUSTER,
     EnvoyOptions,
@@ -92,7 +92,9 @@ def test_paths_are_normalised_before_any_filter(defaults: dict[str, Any]) -> Non
 
 def test_the_tier_header_is_only_trusted_from_a_trusted_hop(defaults: dict[str, Any]) -> None:
     hcm = _hcm(defaults)
-    assert hcm["route_config"]["internal_only_headers"] == [*FLEET_HEADERS, "x-tier"]
+    # Issue 18 added llm-d's prefiller header (a client must not pick the sidecar's target).
+    internal = hcm["route_config"]["internal_only_headers"]
+    assert internal == [*FLEET_HEADERS, *PD_HEADERS, "x-tier"]
     # The client is the TCP peer; no address is internal (an empty cidr_ranges list would make
     # loopback and private peers internal again, and keep their headers).
     assert hcm["use_remote_address"] is True
