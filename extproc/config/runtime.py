@@ -198,12 +198,7 @@ def pd_plan(cfg: FleetConfig, classes: tuple[RequestClass, ...]) -> PdPlan | Non
     """The compiled P/D settings, or None when no class is disaggregated."""
     if not any(c.disaggregated for c in cfg.classes):
         return None
-    topo = cfg.topology
-    topology = Topology(
-        tuple(lvl.name for lvl in topo.levels),
-        tuple(lvl.gbytes_per_s * 1e9 for lvl in topo.levels),
-        topo.cross_gbytes_per_s * 1e9,
-    )
+    topology = pd_topology(cfg)
     labels = {c.name: topology.labels(c.topology) for c in cfg.clusters}
     prefill = [c for c in cfg.clusters if c.role == "prefill"]
     pools: dict[str, tuple[PrefillEndpoint, ...]] = {}
@@ -233,4 +228,14 @@ def pd_plan(cfg: FleetConfig, classes: tuple[RequestClass, ...]) -> PdPlan | Non
         pools=MappingProxyType(pools),
         prefill_classes=MappingProxyType(budgets),
         kv_bytes_per_token=d.kv_bytes_per_token,
+    )
+
+
+def pd_topology(cfg: FleetConfig) -> Topology:
+    """fleet.yaml's topology levels and bandwidths (GB/s there, bytes/s here)."""
+    topo = cfg.topology
+    return Topology(
+        tuple(lvl.name for lvl in topo.levels),
+        tuple(lvl.gbytes_per_s * 1e9 for lvl in topo.levels),
+        topo.cross_gbytes_per_s * 1e9,
     )

@@ -145,6 +145,10 @@ class FleetStack:
     fleet_overrides: Mapping[str, Any] = field(default_factory=dict)
     # Extra fields of every cluster entry in fleet.yaml (e.g. {"engine": "sglang"}).
     cluster_fields: Mapping[str, Any] = field(default_factory=dict)
+    # Extra fields of one cluster's entry, by name (e.g. P/D roles and topology labels).
+    cluster_fields_by_name: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Start the simulated clusters with --fleet fleet.yaml: each serves its P/D role.
+    sims_read_fleet: bool = False
     processors: int = 1
     processor_args: tuple[str, ...] = ()
     processor_env: Mapping[str, str] = field(default_factory=dict)
@@ -198,7 +202,12 @@ class FleetStack:
                 "message_timeout_ms": 5000,
             },
             "clusters": [
-                {"name": s.name, "endpoints": [f"{LOOPBACK}:{s.port}"], **self.cluster_fields}
+                {
+                    "name": s.name,
+                    "endpoints": [f"{LOOPBACK}:{s.port}"],
+                    **self.cluster_fields,
+                    **self.cluster_fields_by_name.get(s.name, {}),
+                }
                 for s in self.sim_specs.values()
             ],
             # Stacks run the stateless opening key unless told otherwise: tests and the demo
@@ -298,6 +307,7 @@ class FleetStack:
                 "--port",
                 str(spec.port),
                 *spec.args,
+                *(("--fleet", str(self.fleet_path)) if self.sims_read_fleet else ()),
             ],
             self.workdir / f"sim-{name}.log",
         )

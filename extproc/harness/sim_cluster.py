@@ -637,12 +637,19 @@ class SimCluster:
         }
 
     async def _stream(
-        self, request: web.Request, parsed: _Parsed, plan: Plan, request_id: int
+        self,
+        request: web.Request,
+        parsed: _Parsed,
+        plan: Plan,
+        request_id: int,
+        extra_headers: Mapping[str, str] | None = None,
     ) -> web.StreamResponse:
         # Headers go out with the first token: until then a real engine has nothing to send,
         # and a long prefill shows up as a slow response start (what Envoy's timeouts see).
         await self._sleep_until(plan.first_token_at)
-        response = web.StreamResponse(status=200, headers=self._response_headers(plan))
+        headers = self._response_headers(plan)
+        headers.update(extra_headers or {})
+        response = web.StreamResponse(status=200, headers=headers)
         response.content_type = "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
         events: _StreamEvents | _ResponsesStream = _StreamEvents(
@@ -827,9 +834,13 @@ async def start_sim_cluster(
     registry: CollectorRegistry | None = None,
     shutdown_timeout: float = 1.0,
     access_log: bool = False,
+    cluster: SimCluster | None = None,
 ) -> RunningSimCluster:
-    """Start a sim cluster on ``host:port`` (port 0 picks a free port) in the running loop."""
-    cluster = SimCluster(config, clock=clock, registry=registry)
+    """Start a sim cluster on ``host:port`` (port 0 picks a free port) in the running loop;
+    ``cluster`` serves instead of a plain one built from ``config`` (the P/D roles,
+    extproc.harness.sim_pd)."""
+    if cluster is None:
+        cluster = SimCluster(config, clock=clock, registry=registry)
     runner = web.AppRunner(
         cluster.app(),
         shutdown_timeout=shutdown_timeout,

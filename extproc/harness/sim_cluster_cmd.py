@@ -8,11 +8,13 @@ import logging
 import signal
 import sys
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from extproc.harness.engine_formats import SIM_ENGINES
 from extproc.harness.kvmodel import ClusterParams
 from extproc.harness.sim_cluster import SimClusterConfig, start_sim_cluster
+from extproc.harness.sim_pd import PdSimCluster, pd_sim_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="sim",
         help="metrics and load headers to expose: the simulator's own, or a real engine's",
     )
+    parser.add_argument(
+        "--fleet",
+        type=Path,
+        default=None,
+        help="fleet.yaml: serve this cluster's P/D role (prefill/decode/both) with the fleet's"
+        " topology, speaking llm-d's sidecar protocol (extproc.harness.sim_pd)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimClusterConfig:
@@ -53,8 +62,12 @@ def config_from_args(args: argparse.Namespace) -> SimClusterConfig:
 
 
 async def serve(args: argparse.Namespace) -> None:
+    config = config_from_args(args)
+    cluster = None
+    if args.fleet is not None:
+        cluster = PdSimCluster(config, pd_sim_config(args.fleet, args.name))
     running = await start_sim_cluster(
-        config_from_args(args), host=args.host, port=args.port, access_log=args.access_log
+        config, host=args.host, port=args.port, access_log=args.access_log, cluster=cluster
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -66,6 +79,8 @@ async def serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         await running.close()
+        if cluster is not None:
+            await cluster.close_client()
 
 
 def _run(main: Coroutine[Any, Any, None]) -> None:
@@ -81,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         config_from_args(args)
+        if args.fleet is not None:
+            pd_sim_config(args.fleet, args.name)
     except ValueError as exc:
         print(f"extproc sim-cluster: {exc}", file=sys.stderr)
         return 2

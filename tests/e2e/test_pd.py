@@ -1,0 +1,251 @@
+"""Disaggregated prefill/decode through a real Envoy: the processor names the prefiller in
+llm-d's x-prefiller-host-port, the simulated decode clusters run the sidecar's prefill round
+trip against the simulated prefill clusters (extproc.harness.sim_pd).
+
+Two islands, each one decode cluster and two prefill clusters on different NVLink domains:
+
+    ib-1: c1 decode (nvl-a)   c3 prefill (nvl-a)   c4 prefill (nvl-b)
+    ib-2: c2 decode (nvl-c)   c5 prefill (nvl-c)   c6 prefill (nvl-d)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import orjson
+import pytest
+
+from extproc.config import load_runtime
+from extproc.harness.launch import FleetStack, http_get, wait_until
+from extproc.harness.sim_pd import PREFILLED_BY, SIM_RELATION_HEADER, SIM_TRANSFER_HEADER
+from tests.e2e.conftest import MakeClient, dump_logs
+from tests.e2e.predict import placement_for
+
+CHAT = "/v1/chat/completions"
+LAYOUT = {
+    "c1": ("decode", "nvl-a", "ib-1"),
+    "c2": ("decode", "nvl-c", "ib-2"),
+    "c3": ("prefill", "nvl-a", "ib-1"),
+    "c4": ("prefill", "nvl-b", "ib-1"),
+    "c5": ("prefill", "nvl-c", "ib-2"),
+    "c6": ("prefill", "nvl-d", "ib-2"),
+}
+# How long after a prefiller's death the processor may still name it: one prober round (1 s)
+# plus its timeout (0.5 s), with slack for a loaded machine.
+DETECTION_S = 4.0
+ISLAND = {name: island for name, (_, _, island) in LAYOUT.items()}
+NVLINK_PEER = {"c1": "c3", "c2": "c5"}
+ISLAND_PEER = {"c1": "c4", "c2": "c6"}
+
+
+@pytest.fixture(scope="module")
+def pd_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    stack = FleetStack(
+        tmp_path_factory.mktemp("pd"),
+        clusters=len(LAYOUT),
+        sims_read_fleet=True,
+        sim_start_timeout_s=60.0,
+        cluster_fields_by_name={
+            name: {"role": role, "topology": {"nvlink": nvl, "island": ib}}
+            for name, (role, nvl, ib) in LAYOUT.items()
+        },
+        fleet_overrides={
+            "topology": {
+                "levels": [
+                    {"name": "nvlink", "gbytes_per_s": 900},
+                    {"name": "island", "gbytes_per_s": 50},
+                ],
+                "cross_gbytes_per_s": 12.5,
+            },
+            "classes": [
+                {"name": "short", "max_input_tokens": 256},
+                {"name": "long", "disaggregated": True, "prefill_budget": {"max_concurrent": 2}},
+            ],
+        },
+    )
+    with stack:
+        yield stack
+
+
+def body(text: str) -> bytes:
+    return orjson.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    )
+
+
+def long_text(session: str, turn: int = 0) -> str:
+    # ~600 tokens: the long (disaggregated) class; each turn extends the last.
+    return f"{session} " + "context " * 300 + " more" * (50 * turn)
+
+
+def sessions_on(stack: FleetStack, decode: str, count: int) -> list[str]:
+    runtime = load_runtime(stack.fleet_path)
+    found: list[str] = []
+    for i in range(500):
+        sid = f"pd-{decode}-{i}"
+        placed = placement_for(runtime, CHAT, body(long_text(sid)), {"x-session-id": sid})
+        if placed.primary == decode:
+            found.append(sid)
+        if len(found) == count:
+            return found
+    raise AssertionError(f"no {count} sessions on {decode}")
+
+
+def test_decode_keeps_affinity_across_turns_and_prefill_stays_in_the_nvlink_domain(
+    pd_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    runtime = load_runtime(pd_fleet.fleet_path)
+    client = make_client(pd_fleet.listener_port)
+    seen: collections.Counter[tuple[str, str, str]] = collections.Counter()
+    transfers: dict[int, list[float]] = {0: [], 2: []}
+    for i in range(8):
+        sid = f"affinity-{i}"
+        headers = {"x-session-id": sid}
+        primary = placement_for(runtime, CHAT, body(long_text(sid)), headers).primary
+        for turn in range(3):
+            status, hdrs, data = client.post_json(CHAT, body(long_text(sid, turn)), headers)
+            assert status == 200, (status, data[:300], dump_logs(pd_fleet))
+            assert hdrs["x-served-by"] == primary
+            seen[(hdrs["x-served-by"], hdrs[PREFILLED_BY], hdrs[SIM_RELATION_HEADER])] += 1
+            if turn in transfers:
+                transfers[turn].append(float(hdrs[SIM_TRANSFER_HEADER]))
+    assert {decode for decode, _, _ in seen} == {"c1", "c2"}
+    for decode, prefill, relation in seen:
+        assert (prefill, relation) == (NVLINK_PEER[decode], "nvlink"), seen
+    # Later turns find the earlier ones' KV on their decode cluster: less to transfer.
+    assert sum(transfers[2]) < sum(transfers[0])
+    # Short requests are not disaggregated: decode prefills them itself.
+    status, hdrs, _ = client.post_json(CHAT, body("hi"), {"x-session-id": "short-1"})
+    assert status == 200 and PREFILLED_BY not in hdrs
+
+
+def _admin(stack: FleetStack, cluster: str, fault: dict[str, object]) -> None:
+    port = stack.sim_specs[cluster].port
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/admin/fault",
+        data=json.dumps(fault).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.status == 200
+
+
+def _inflight(stack: FleetStack, cluster: str) -> int:
+    status, raw = http_get(stack.sim_specs[cluster].port, "/admin/concurrency")
+    assert status == 200
+    return int(json.loads(raw)["inflight"].get("long", 0))
+
+
+def test_the_prefill_budget_answers_429_with_hints_and_leaves_decode_alone(
+    pd_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    held = sessions_on(pd_fleet, "c1", 4)
+    _admin(pd_fleet, "c3", {"mode": "hang"})
+    results: list[int] = []
+
+    def hold(sid: str) -> None:
+        client = make_client(pd_fleet.listener_port)
+        status, _, _ = client.post_json(CHAT, body(long_text(sid)), {"x-session-id": sid})
+        results.append(status)
+
+    threads = [threading.Thread(target=hold, args=(sid,)) for sid in held[:2]]
+    try:
+        for t in threads:
+            t.start()
+        # Both hanging prefills hold c3's prefill budget (max_concurrent 2).
+        wait_until(lambda: _inflight(pd_fleet, "c3") == 2, 20, "two prefills hanging on c3")
+        client = make_client(pd_fleet.listener_port)
+        sid = held[2]
+        status, hdrs, data = client.post_json(CHAT, body(long_text(sid)), {"x-session-id": sid})
+        assert status == 429, (status, data[:300])
+        assert int(hdrs["retry-after"]) >= 1
+        assert b"long/prefill" in data
+        # Decode traffic on the same decode cluster is untouched: short requests are served.
+        for i in range(5):
+            status, hdrs, _ = client.post_json(CHAT, body("hi"), {"x-session-id": f"s-{i}"})
+            assert status == 200
+    finally:
+        _admin(pd_fleet, "c3", {"mode": "none"})
+        for t in threads:
+            t.join(30)
+    assert results == [200, 200]
+
+
+def test_a_prefill_endpoint_killed_under_load(
+    pd_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    on_c1 = sessions_on(pd_fleet, "c1", 6)
+    statuses: collections.Counter[int] = collections.Counter()
+    failed_at: list[float] = []
+    prefilled: list[tuple[float, str]] = []
+    stop = threading.Event()
+
+    def load(sids: list[str]) -> None:
+        client = make_client(pd_fleet.listener_port)
+        turn = 0
+        while not stop.is_set():
+            for sid in sids:
+                started = time.monotonic()
+                status, hdrs, _ = client.post_json(
+                    CHAT, body(long_text(sid, turn % 3)), {"x-session-id": sid}
+                )
+                statuses[status] += 1
+                if status != 200:
+                    failed_at.append(started)
+                if status == 200:
+                    prefilled.append((time.monotonic(), hdrs[PREFILLED_BY]))
+            turn += 1
+
+    threads = [threading.Thread(target=load, args=(on_c1[i::2],)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(lambda: len(prefilled) >= 20, 30, "load running")
+        killed_at = time.monotonic()
+        pd_fleet.sims["c3"].kill()
+        # The processor's prober (1 s rounds) sees c3 gone; from then on prefill moves to c4,
+        # the other prefill cluster of c1's island.
+        wait_until(
+            lambda: sum(1 for t, p in prefilled if t > killed_at + 3 and p == "c4") >= 30,
+            30,
+            "prefill moved to c4",
+        )
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(30)
+    after = [p for t, p in prefilled if t > killed_at + 3]
+    assert after and set(after) == {"c4"}, collections.Counter(after)
+    # Requests the sidecar sent to c3 before the processor knew it was gone get the sidecar's
+    # 502 (nothing generated: Envoy must not retry it, a 502 from a decode pod can also be its
+    # engine dying mid-generation). Only those: none once the prober's round (1 s, 0.5 s
+    # timeout) has seen c3 down, none of any other kind.
+    assert set(statuses) <= {200, 502}, statuses
+    assert all(t < killed_at + DETECTION_S for t in failed_at), (killed_at, failed_at)
+    print(f"prefill kill under load: {dict(statuses)}")
+    pd_fleet.restart_sim("c3")
+
+
+def test_a_decode_cluster_killed_moves_its_sessions_to_the_secondary(
+    pd_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    runtime = load_runtime(pd_fleet.fleet_path)
+    sid = sessions_on(pd_fleet, "c2", 1)[0]
+    headers = {"x-session-id": sid}
+    placed = placement_for(runtime, CHAT, body(long_text(sid)), headers)
+    assert (placed.primary, placed.secondary) == ("c2", "c1")
+    client = make_client(pd_fleet.listener_port)
+    pd_fleet.sims["c2"].kill()
+    for turn in range(10):
+        status, hdrs, data = client.post_json(CHAT, body(long_text(sid, turn % 3)), headers)
+        assert status == 200, (status, data[:300], dump_logs(pd_fleet))
+        assert hdrs["x-served-by"] == "c1"
+        # The prefiller chosen for the primary's island still prefills; the KV crosses islands.
+        assert ISLAND[hdrs[PREFILLED_BY]] == "ib-2"
+        assert hdrs[SIM_RELATION_HEADER] == "cross"
