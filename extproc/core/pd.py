@@ -119,16 +119,17 @@ def choose_prefill(
     ready: frozenset[str] | None,
     topology: Topology,
     params: PrefillParams,
+    down: frozenset[str] = frozenset(),
 ) -> PrefillChoice:
     """The prefill endpoint for a request decoded on a host with ``decode_labels``.
 
     ``point``: the request's key point (its prefix/session hash); ``inflight``: prefills in
     flight per endpoint address; ``ready``: addresses known ready (None: no readiness known,
-    all are candidates).
+    all are candidates); ``down``: addresses recently seen failing, skipped too.
     """
     groups: dict[int, list[PrefillEndpoint]] = {}
     for ep in pool:
-        if ready is not None and ep.address not in ready:
+        if (ready is not None and ep.address not in ready) or ep.address in down:
             continue
         tier = topology.relation(decode_labels, ep.labels)
         if tier == len(topology.levels) and not params.cross_island:
@@ -177,6 +178,7 @@ class PdPlan:
         point: int,
         inflight: Mapping[str, int],
         ready: frozenset[str] | None,
+        down: frozenset[str] = frozenset(),
     ) -> PrefillChoice | None:
         """The prefill choice for a request of ``class_name`` decoded on ``decode_cluster``;
         None when the class is not disaggregated."""
@@ -184,7 +186,9 @@ class PdPlan:
         if pool is None:
             return None
         labels = self.cluster_labels.get(decode_cluster, (None,) * len(self.topology.levels))
-        return choose_prefill(labels, pool, point, inflight, ready, self.topology, self.params)
+        return choose_prefill(
+            labels, pool, point, inflight, ready, self.topology, self.params, down
+        )
 
 
 def prefill_class_name(class_name: str) -> str:

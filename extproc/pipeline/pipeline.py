@@ -48,6 +48,14 @@ from extproc.pipeline.outcomes import (
 
 log = logging.getLogger("extproc.server")
 
+STATUS = ":status"
+# The status llm-d's routing sidecar answers when the prefiller cannot be reached (Go's
+# reverse proxy) ...
+PREFILL_FAILED_STATUS = "502"
+# ... and how long such a prefiller is skipped: longer than a prober round (1 s) plus its
+# timeout, so the prober's view takes over before the mark expires.
+PREFILL_DOWN_S = 5.0
+
 
 class RuntimeHolder:
     """The runtime being served; reload swaps it whole (one reference assignment)."""
@@ -86,6 +94,8 @@ class Pipeline:
         # Prefills in flight per prefill endpoint (disaggregated classes): the load half of the
         # prefill choice (extproc.core.pd).
         self._prefill_inflight: dict[str, int] = {}
+        # Prefill endpoints a response showed unreachable, and when (see observe_response).
+        self._prefill_down: dict[str, float] = {}
 
     @property
     def metrics(self) -> Metrics:
@@ -186,7 +196,7 @@ class Pipeline:
             # the cluster that will serve it (affinity does the same through its load
             # snapshot), and a P/D prefiller is chosen in that cluster's island.
             route = self._around_unready(runtime, facts, route, record)
-        prefill = self._choose_prefill(runtime, facts, route)
+        prefill = self._choose_prefill(runtime, facts, route, now)
         if not record:
             planned = plan(request_tokens(facts), route)
             if isinstance(planned, Reject):
@@ -245,7 +255,7 @@ class Pipeline:
         return Routed(facts, route, kind, hold, endpoints, prefill)
 
     def _choose_prefill(
-        self, runtime: Runtime, facts: RequestFacts, route: Route
+        self, runtime: Runtime, facts: RequestFacts, route: Route, now: float
     ) -> PrefillChoice | None:
         """Disaggregated classes: the prefill endpoint for the decided decode target (the
         primary; the secondary, when Envoy fails over to it, gets the same prefiller)."""
@@ -253,12 +263,18 @@ class Pipeline:
         if pd is None:
             return None
         ready = self._endpoint_health.ready if self._endpoint_health is not None else None
+        down = self._prefill_down
+        if down:
+            for address, since in list(down.items()):
+                if now - since > PREFILL_DOWN_S:
+                    del down[address]
         return pd.choose(
             route.request_class.name,
             route.placement.primary,
             facts.session.point,
             self._prefill_inflight,
             ready,
+            frozenset(down),
         )
 
     async def _admit_prefill(
@@ -391,10 +407,12 @@ class Pipeline:
         if hold is None:
             return ()
         runtime = self._runtime.current
+        # P/D: the status tells whether the decode-side sidecar reached the prefiller.
+        status = (STATUS,) if hold.prefill_endpoint is not None else ()
         inspect = runtime.inspect_usage and hold.usage_cluster is not None
         if (hold.routed_to is None or hold.reported) and not inspect and hold.ticket is None:
-            return ()
-        return runtime.response_headers
+            return status
+        return (*runtime.response_headers, *status)
 
     def endpoint_owners(self) -> Mapping[str, str]:
         """address -> cluster of the configured endpoints (for Envoy's upstream.address)."""
@@ -414,6 +432,10 @@ class Pipeline:
         response body should stream through usage inspection (an SSE response).
         """
         runtime = self._runtime.current
+        if hold.prefill_endpoint is not None and found.get(STATUS) == PREFILL_FAILED_STATUS:
+            # llm-d's sidecar answers 502 when it cannot reach the prefiller: skip it until the
+            # prober has had a round to confirm (a prober round alone leaves a second of 502s).
+            self._prefill_down[hold.prefill_endpoint] = now
         served_header = runtime.served_by_header
         served_by = envoy_served
         if served_by is None and served_header:

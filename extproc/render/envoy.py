@@ -323,8 +323,12 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
                 # Usage inspection reads the response body too: whole for JSON answers, and
                 # switched per response to STREAMED for SSE (a mode override), so that streams
                 # keep streaming. Budgets need them too: a failed-over request's charge moves
-                # to the cluster that served it (extproc/render/envoy_served.py).
-                "response_header_mode": "SEND" if observes_responses(runtime) else "SKIP",
+                # to the cluster that served it (extproc/render/envoy_served.py). P/D reads the
+                # status: a 502 is the decode-side sidecar failing to reach the prefiller,
+                # which is then skipped at once.
+                "response_header_mode": (
+                    "SEND" if observes_responses(runtime) or runtime.pd else "SKIP"
+                ),
                 "response_body_mode": "BUFFERED" if proc.inspect_usage else "NONE",
                 # SEND: Envoy sends a trailers message only for requests that have trailers
                 # (no cost otherwise). A request of headers then trailers carries no body message

@@ -295,3 +295,38 @@ def test_a_prefill_reject_gives_the_decode_reservation_back() -> None:
         assert gate.held == 0
 
     asyncio.run(run())
+
+
+def test_a_502_from_the_sidecar_skips_that_prefiller_until_the_mark_expires() -> None:
+    pipe = pipeline_of(pd_config())
+    text = "word " * 2000
+
+    async def run() -> None:
+        first = await pipe.decide(*chat(text, "s1"), 0.0)
+        assert isinstance(first, Routed) and first.prefill is not None
+        dead = first.prefill.address
+        assert dead is not None
+        assert ":status" in pipe.response_headers_wanted(first.hold)
+        pipe.observe_response(first.hold, {":status": "502"}, 1.0)
+        await pipe.release(first.hold)
+        again = await pipe.decide(*chat(text, "s1"), 2.0)
+        assert isinstance(again, Routed) and again.prefill is not None
+        assert again.prefill.address not in (None, dead)
+        # Same nvlink domain: p1 has a second endpoint.
+        assert again.prefill.relation == "nvlink"
+        await pipe.release(again.hold)
+        later = await pipe.decide(*chat(text, "s1"), 1.0 + 5.1)
+        assert isinstance(later, Routed) and later.prefill is not None
+        assert later.prefill.address == dead
+        await pipe.release(later.hold)
+
+    asyncio.run(run())
+
+
+def test_down_endpoints_are_skipped_by_the_core() -> None:
+    hashed = choose(point=3).address
+    assert choose_prefill(DECODE_A, POOL, 3, {}, None, TOPO, PARAMS, frozenset({hashed})).address
+    assert (
+        choose_prefill(DECODE_A, POOL, 3, {}, None, TOPO, PARAMS, frozenset({hashed})).address
+        != hashed
+    )
