@@ -10,6 +10,7 @@ import yaml
 
 from extproc.config import ConfigError, compile_runtime, load_config
 from extproc.render import write_output
+from extproc.render.disagg import DisaggRenderError, has_roles, render_disaggregated_sets
 from extproc.render.gateway import (
     DEFAULT_IMAGE,
     MODES,
@@ -79,6 +80,9 @@ def render_text(config_path: str, opts: GatewayOptions) -> str:
     cfg, raw = load_config(config_path)
     runtime = compile_runtime(cfg, raw)
     objs = render_manifests(runtime, raw.decode("utf-8"), opts)
+    if has_roles(runtime):
+        # P/D: an example DisaggregatedSet per island, placed by topology (render/disagg.py).
+        objs += render_disaggregated_sets(runtime, opts.namespace)
     header = (
         f"# Rendered by `extproc gateway --mode {opts.mode}` from {config_path} "
         f"(config version {runtime.version}).\n"
@@ -102,7 +106,13 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
 def run(args: argparse.Namespace) -> int:
     try:
         text = render_text(args.config, options_from_args(args))
-    except (ConfigError, GatewayRenderError, OSError, UnicodeDecodeError) as exc:
+    except (
+        ConfigError,
+        GatewayRenderError,
+        DisaggRenderError,
+        OSError,
+        UnicodeDecodeError,
+    ) as exc:
         print(f"extproc gateway: {exc}", file=sys.stderr)
         return 2
     write_output(args.output, text)
