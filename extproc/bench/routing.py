@@ -38,6 +38,7 @@ import orjson
 
 from extproc.harness.kvmodel import ClusterParams
 from extproc.harness.launch import FleetStack
+from extproc.harness.layouts import LAYOUTS, add_layout_arguments, layout_from_args
 from extproc.harness.prompts import BLOCK_TOKENS, block_hashes, canonical_prompt, count_tokens
 from extproc.harness.replay import (
     CLASSES,
@@ -72,7 +73,7 @@ DEFAULT_TRACE = (
 # prompts for 30 s, i.e. ~15 requests that each need 7.5 s of prefill on a 20K tokens/s cluster.
 DEFAULT_BURST = "40,30,0.5,150000"
 # Speedups that keep each run to about a minute of wall time on a 2-core machine.
-DEFAULT_SPEEDUP = {"trace": 20.0, "synthetic": 4.0}
+DEFAULT_SPEEDUP = {"trace": 20.0, "synthetic": 4.0, "layout": 4.0}
 # The simulator's own default KV capacity; auto-sizing never goes below it.
 SIM_DEFAULT_KV = ClusterParams().kv_capacity_tokens
 # Targets for set-up 3 (from the issue).
@@ -168,7 +169,7 @@ def operator_classes(
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    name: str  # "trace" | "synthetic"
+    name: str  # "trace" | "synthetic" | "layout"
     description: str
     requests: tuple[ReplayRequest, ...]
     burst_windows: tuple[tuple[float, float], ...]
@@ -258,25 +259,51 @@ def synthetic_workload(args: argparse.Namespace) -> Workload:
     requests = generate_workload(config)
     if args.max_requests is not None:
         requests = requests[: args.max_requests]
-    blocks = prompt_blocks(requests)
-    unique = len({h for hashes, _tokens in blocks for h in hashes}) * BLOCK_TOKENS
     kinds = Counter(r.kind for r in requests)
-    return Workload(
-        name="synthetic",
-        description=(
-            f"synthetic, {config.duration_s:g} s, seed {config.seed}: "
-            + ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
-            + "; bursts "
-            + "; ".join(
-                f"{b.rate_per_s:g}/s x {b.input_tokens} tokens in [{b.start_s:g}, "
-                f"{b.start_s + b.duration_s:g}) s"
-                for b in bursts
-            )
+    return _prompt_workload(
+        "synthetic",
+        f"synthetic, {config.duration_s:g} s, seed {config.seed}: "
+        + ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items()))
+        + "; bursts "
+        + "; ".join(
+            f"{b.rate_per_s:g}/s x {b.input_tokens} tokens in [{b.start_s:g}, "
+            f"{b.start_s + b.duration_s:g}) s"
+            for b in bursts
         ),
+        requests,
+        config.burst_windows,
+    )
+
+
+def layout_workload(args: argparse.Namespace) -> Workload:
+    """A shared opening in one position (extproc.harness.layouts), no session headers."""
+    requests = layout_from_args(args)
+    if args.max_requests is not None:
+        requests = requests[: args.max_requests]
+    docs = sum(1 for r in requests if r.kind != "chat")
+    return _prompt_workload(
+        "layout",
+        f"layout {args.layout}: {args.layout_conversations} conversations x "
+        f"{args.layout_turns} turns, seed {args.seed} ({docs} requests carry a shared document)",
+        requests,
+        (),
+    )
+
+
+def _prompt_workload(
+    name: str,
+    description: str,
+    requests: Sequence[ReplayRequest],
+    windows: tuple[tuple[float, float], ...],
+) -> Workload:
+    blocks = prompt_blocks(requests)
+    return Workload(
+        name=name,
+        description=description,
         requests=tuple(requests),
-        burst_windows=config.burst_windows,
+        burst_windows=windows,
         ideal_source="the simulator's block hashes of each prompt, one infinite cache",
-        unique_tokens=unique,
+        unique_tokens=len({h for hashes, _tokens in blocks for h in hashes}) * BLOCK_TOKENS,
         prompt_blocks=tuple(blocks),
     )
 
@@ -307,6 +334,7 @@ def run_setup(
     options: ReplayOptions,
     classes: list[dict[str, Any]],
     workdir: Path,
+    prefix_key: str = "chain",
 ) -> SetupRun:
     started = time.monotonic()
 
@@ -318,7 +346,9 @@ def run_setup(
             clusters=profile.clusters,
             mode=mode,
             sim_args=profile.sim_args(),
-            fleet_overrides={"classes": classes},
+            # The product's default prefix key, named: FleetStack's own default is the
+            # stateless opening key (tests predict placements without the learnt chains).
+            fleet_overrides={"classes": classes, "prefix": {"key": prefix_key}},
             processor_args=("--log-level", "warning", "--seed", "0"),
             access_log=False,
         )
@@ -664,6 +694,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"Mooncake-format JSONL trace (default when no --workload: {DEFAULT_TRACE})",
     )
     source.add_argument("--workload", choices=["synthetic"], help="the built-in synthetic mix")
+    source.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        help="conversations sharing one opening placed in this position (extproc.harness.layouts)",
+    )
     parser.add_argument("--max-requests", type=int, default=None, help="replay only the first N")
     parser.add_argument(
         "--speedup",
@@ -715,6 +750,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     fleet.add_argument("--class-bounds", default="2048,100000", help="SHORT,LONG input tokens")
 
+    parser.add_argument(
+        "--prefix-key",
+        choices=["chain", "opening"],
+        default="chain",
+        help="the extproc set-up's prefix key (chain: the default; opening: the old key)",
+    )
+    add_layout_arguments(parser)
     synthetic = parser.add_argument_group("synthetic workload")
     synthetic.add_argument("--workload-duration", type=float, default=120.0)
     synthetic.add_argument("--chat-rate", type=float, default=1.5, help="chat sessions per s")
@@ -767,6 +809,10 @@ def run(args: argparse.Namespace) -> int:
         bounds = ClassBounds.parse(args.class_bounds)
         if args.workload == "synthetic":
             workload = synthetic_workload(args)
+        elif args.layout is not None:
+            if args.burst:
+                raise ValueError("--burst applies to --workload synthetic")
+            workload = layout_workload(args)
         else:
             if args.burst:
                 raise ValueError("--burst applies to --workload synthetic")
@@ -808,7 +854,7 @@ def run(args: argparse.Namespace) -> int:
         workdir = out_dir / "logs" / f"{workload.name}-{mode}"
         for old in workdir.glob("*.log"):
             old.unlink()  # Proc appends to its log: start each run with a clean one
-        runs[mode] = run_setup(mode, workload, profile, options, classes, workdir)
+        runs[mode] = run_setup(mode, workload, profile, options, classes, workdir, args.prefix_key)
         write_json(runs[mode].result, out_dir / f"{workload.name}-{mode}.json")
 
     reports = {mode: setup_report(r, workload) for mode, r in runs.items()}

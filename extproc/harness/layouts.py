@@ -23,6 +23,7 @@ and ``doc`` (in ``kind``: ``doc:<j>`` or ``chat``) its document. Deterministic p
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -247,6 +248,25 @@ def generate_layout(config: LayoutConfig) -> list[ReplayRequest]:
             )
             arrival += rng.expovariate(1.0 / config.think_s) if config.think_s > 0 else 0.0
     return sorted(out, key=lambda r: r.arrival_s)
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--layout-conversations`` / ``--layout-turns``, for commands that take ``--layout``."""
+    group = parser.add_argument_group("layout workload (--layout NAME)")
+    group.add_argument("--layout-conversations", type=int, default=400)
+    group.add_argument("--layout-turns", type=int, default=3)
+
+
+def layout_from_args(args: argparse.Namespace) -> list[ReplayRequest]:
+    return generate_layout(
+        LayoutConfig(
+            layout=args.layout,
+            conversations=args.layout_conversations,
+            turns=args.layout_turns,
+            seed=args.seed,
+            model=args.model if isinstance(getattr(args, "model", None), str) else "sim",
+        )
+    )
 
 
 def api_kind(path: str) -> ApiKind | None:

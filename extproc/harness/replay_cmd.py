@@ -8,6 +8,7 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
+from extproc.harness.layouts import LAYOUTS, add_layout_arguments, layout_from_args
 from extproc.harness.prompts import ApiKind
 from extproc.harness.replay import (
     ClassBounds,
@@ -32,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace")
     source.add_argument("--workload", choices=["synthetic"], help="built-in synthetic workload")
+    source.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        help="conversations sharing one opening placed in this position (extproc.harness.layouts)",
+    )
     parser.add_argument("--target", default="http://127.0.0.1:10000", help="base URL (Envoy)")
     parser.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
     parser.add_argument("--max-requests", type=int, default=None)
@@ -57,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     trace.add_argument("--api", choices=sorted(_TRACE_APIS), default="chat")
     trace.add_argument("--no-stream", action="store_true", help="send non-streaming requests")
 
+    add_layout_arguments(parser)
+
     synthetic = parser.add_argument_group("synthetic workload")
     synthetic.add_argument("--workload-duration", type=float, default=60.0)
     synthetic.add_argument("--chat-rate", type=float, default=1.0, help="chat sessions per s")
@@ -77,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _requests(
     args: argparse.Namespace,
 ) -> tuple[list[ReplayRequest], tuple[tuple[float, float], ...]]:
+    if args.layout is not None:
+        return layout_from_args(args), ()
     if args.trace is not None:
         trace = read_trace(args.trace)
         for issue in trace.issues[:20]:
