@@ -26,6 +26,12 @@ Envoy routed a request) and every inference response carries a load report twice
 simpler ``x-fleet-load`` header. ``x-sim-ttft-ms`` and ``x-sim-cached-tokens`` expose the
 model's plan to tests.
 
+A client that disconnects ends its request at once, as in vLLM and SGLang, which abort a
+request whose client went away (the handler is cancelled; ``sim_client_disconnects`` counts it),
+so the per-class in-flight figures at the upstream drop with it. The KV model keeps the
+abandoned request's planned slot (it plans each request once, on arrival): load figures after
+an abort overstate the engine's load until that plan ends.
+
 Anthropic usage follows the real API: ``input_tokens`` counts only the uncached part;
 ``input_tokens + cache_read_input_tokens`` is the prompt.
 """
@@ -183,7 +189,7 @@ class SimMetrics:
             "sim_prefix_cache_evictions", "Blocks evicted from the prefix cache", registry=registry
         )
         self.disconnects = Counter(
-            "sim_client_disconnects", "Streams the client closed early", registry=registry
+            "sim_client_disconnects", "Requests the client closed early", registry=registry
         )
         self.fault = Gauge(
             "sim_fault_mode", "1 for the active fault mode", ["mode"], registry=registry
@@ -487,7 +493,14 @@ class SimCluster:
 
     async def _inference(self, request: web.Request, api: ApiKind) -> web.StreamResponse:
         with self.concurrency.track(request.headers.get(CLASS_HEADER, "")):
-            return await self._serve(request, api)
+            try:
+                return await self._serve(request, api)
+            except asyncio.CancelledError:
+                # The server cancels the handler when the client disconnects
+                # (handler_cancellation): the engine aborts the request.
+                self.metrics.disconnects.inc()
+                self.metrics.requests.labels(api=api, code="client_closed").inc()
+                raise
 
     async def _serve(self, request: web.Request, api: ApiKind) -> web.StreamResponse:
         while self._fault.mode == "hang" and not self._closing:
@@ -845,6 +858,10 @@ async def start_sim_cluster(
         cluster.app(),
         shutdown_timeout=shutdown_timeout,
         access_log=log if access_log else None,
+        # Real engines abort a request whose client disconnected (vLLM's API server cancels
+        # the handler; SGLang checks for the disconnect while it waits): without this, aiohttp
+        # would keep "generating" for nobody and count it in flight.
+        handler_cancellation=True,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)

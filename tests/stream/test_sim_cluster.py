@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import io
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 
 from extproc.harness.kvmodel import ClusterParams
 from extproc.harness.prompts import BLOCK_TOKENS, block_hashes, canonical_prompt
@@ -373,3 +374,40 @@ async def test_concurrent_requests_queue_behind_each_other(http: aiohttp.ClientS
         await running.close()
     # The short request waited for most of the long prefill (a convoy), in simulated ms.
     assert float(headers["x-sim-ttft-ms"]) > 2000
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_disconnects_ends_its_request_at_once(stream: bool) -> None:
+    """Like vLLM and SGLang, the engine aborts a request whose client went away: it leaves the
+    in-flight count at once instead of running to its planned end."""
+    # 16 output tokens at 1 token/s (time_scale 1): 15 s of decode if nobody stopped it.
+    params = ClusterParams(prefill_tps=20_000.0, decode_tps=1.0, time_scale=1.0)
+    registry = CollectorRegistry()
+    running = await start_sim_cluster(
+        SimClusterConfig(name="a", params=params, max_output=16), registry=registry
+    )
+    try:
+        reader, writer = await asyncio.open_connection(running.host, running.port)
+        body = orjson.dumps(chat("hello", stream=stream, max_tokens=16))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: a\r\ncontent-type: application/json\r\n"
+            b"x-fleet-class: long\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+        )
+        await writer.drain()
+        concurrency = running.cluster.concurrency
+        await _until(lambda: concurrency.inflight.get("long", 0) == 1)
+        if stream:
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")  # the first token is out
+        writer.close()
+        await writer.wait_closed()
+        await _until(lambda: concurrency.inflight["long"] == 0)
+        assert registry.get_sample_value("sim_client_disconnects_total") == 1
+    finally:
+        await running.close()
