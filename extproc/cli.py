@@ -25,6 +25,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "fuzz": ("extproc.reliability.fuzz_cmd", "fuzz the stream handler or a real Envoy + processor"),
     "chaos": ("extproc.reliability.chaos", "run a fault schedule against a local fleet"),
     "soak": ("extproc.reliability.soak", "steady load for a long time, failing on growth"),
+    "abort-storm": (
+        "extproc.reliability.abort_storm",
+        "client aborts during upload, prefill and mid-stream; budgets held and leaked",
+    ),
 }
 
 
