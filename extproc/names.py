@@ -42,3 +42,8 @@ UPSTREAM_ADDRESS_ATTRIBUTE = "upstream.address"
 SERVED_ATTRIBUTES = (HOST_METADATA_ATTRIBUTE, UPSTREAM_ADDRESS_ATTRIBUTE)
 # The key under which Envoy sends the filter's attributes in ProcessingRequest.attributes.
 EXT_PROC_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
+
+# Headroom over a class's max_wait_s for the message timer the processor re-arms while a request
+# waits for budget (protocol/responses.py sends it, render/envoy.py bounds it): the decision that
+# ends the wait still makes a Redis round trip or two.
+WAIT_TIMER_HEADROOM_S = 1.0

@@ -22,6 +22,7 @@ from extproc.core.chains import ChainParams, ChainSketch
 from extproc.core.decide import Policy
 from extproc.core.facts import ParseLimits
 from extproc.core.fleet import Budget, Cluster, RequestClass
+from extproc.core.flow import FlowParams, WaitPolicy
 from extproc.core.keys import KeyRules
 from extproc.core.load import LOAD_HEADERS
 from extproc.core.pd import (
@@ -81,6 +82,9 @@ class Runtime:
     response_headers: tuple[str, ...] = (*LOAD_HEADERS, "x-served-by", "content-type")
     # Disaggregated prefill/decode (extproc.core.pd); None when no class is disaggregated.
     pd: PdPlan | None = None
+    flow: FlowParams = field(default_factory=FlowParams)
+    # With Redis: the head waiter's re-check period when no release notice arrives.
+    flow_redis_poll_s: float = 0.5
 
     @property
     def cluster_names(self) -> tuple[str, ...]:
@@ -107,6 +111,7 @@ def compile_runtime(
                 c.budget.tokens_per_second,
                 c.budget.burst_tokens,
             ),
+            wait=WaitPolicy(c.wait.max_wait_s, c.wait.max_queue),
         )
         for c in cfg.classes
     )
@@ -173,6 +178,12 @@ def compile_runtime(
             *([served] if served else []),
             "content-type",
         ),
+        flow=FlowParams(
+            place_new_sessions=cfg.flow.place_new_sessions,
+            tenant_header=cfg.flow.tenant_header,
+            tier_weights=MappingProxyType(dict(cfg.flow.tier_weights)),
+        ),
+        flow_redis_poll_s=cfg.flow.redis_poll_ms / 1000,
     )
 
 

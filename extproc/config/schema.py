@@ -165,6 +165,17 @@ class BudgetConfig(Strict):
     burst_tokens: int = Field(default=0, ge=0)
 
 
+class WaitConfig(Strict):
+    """How an over-budget request of the class waits for budget (extproc/core/flow.py).
+
+    0 s = refused at once with a 429 (the default). Recommended: short classes barely wait
+    (0.5 s), long and agentic ones tens of seconds (30 s)."""
+
+    max_wait_s: float = Field(default=0.0, ge=0, le=3600, allow_inf_nan=False)
+    # Waiters per (cluster, class) on one processor replica; more get an immediate 429.
+    max_queue: int = Field(default=64, ge=1)
+
+
 class ClassConfig(Strict):
     name: ClassName
     # Exclusive upper bound on estimated input tokens; omit on the catch-all last class.
@@ -178,6 +189,22 @@ class ClassConfig(Strict):
     # The prefill pool's budget, per prefill cluster, in prefill (input) tokens; ``budget``
     # stays the decode pool's.
     prefill_budget: BudgetConfig = BudgetConfig()
+    wait: WaitConfig = WaitConfig()
+
+
+class FlowConfig(Strict):
+    """Flow control before a 429 (ARCHITECTURE.md, "Flow control")."""
+
+    # A new session (no seen mark, no override) whose primary's class budget is full runs on
+    # its next hash candidate with room, remembered like a spill (affinity.override_ttl_s).
+    place_new_sessions: bool = False
+    # Trusted header naming the tenant for fair queueing; unset: the tier is the tenant.
+    tenant_header: HeaderName | None = None
+    # A tenant's share of a contended queue, by tier (default 1).
+    tier_weights: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = {}
+    # With Redis: how often the head waiter re-checks the shared ledger if no release
+    # notice (pub/sub) arrived, covering lost notices and lapsed leases.
+    redis_poll_ms: int = Field(default=500, ge=10)
 
 
 class RedisConfig(Strict):
@@ -304,3 +331,4 @@ class FleetConfig(Strict):
     engine_metrics: EngineMetricsConfig = EngineMetricsConfig()
     topology: TopologyConfig = TopologyConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
+    flow: FlowConfig = FlowConfig()

@@ -382,20 +382,36 @@ def _observed_wait(missing: float, completion_rate: float) -> float:
     return seconds_for(missing, completion_rate) if completion_rate > 0 else NO_SIGNAL_WAIT_S
 
 
-def _waits(demand: Demand, answer: LedgerAnswer) -> dict[Reason, float]:
-    """Seconds until each violated dimension could admit this demand."""
-    lim, usage, need = demand.limits, answer.usage, demand.tokens
+def _waits(
+    demand: Demand, answer: LedgerAnswer, ahead: int = 0, ahead_tokens: int = 0
+) -> dict[Reason, float]:
+    """Seconds until each violated dimension could admit this demand, behind ``ahead``
+    queued requests holding ``ahead_tokens`` (extproc.core.flow: they are served first)."""
+    lim, usage = demand.limits, answer.usage
+    need = demand.tokens + ahead_tokens
     req_rate, tok_rate = answer.released.rates(answer.now)
     waits: dict[Reason, float] = {}
     if lim.max_inflight_tokens and usage.inflight_tokens + need > lim.max_inflight_tokens:
         deficit = usage.inflight_tokens + need - lim.max_inflight_tokens
         waits[Reason.INFLIGHT_TOKENS] = _observed_wait(deficit, tok_rate)
-    if lim.max_concurrent and usage.concurrent + 1 > lim.max_concurrent:
-        missing = usage.concurrent + 1 - lim.max_concurrent
+    if lim.max_concurrent and usage.concurrent + 1 + ahead > lim.max_concurrent:
+        missing = usage.concurrent + 1 + ahead - lim.max_concurrent
         waits[Reason.CONCURRENCY] = _observed_wait(missing, req_rate)
     if lim.burst_tokens and usage.bucket_tokens < need:
         waits[Reason.TOKEN_RATE] = seconds_for(need - usage.bucket_tokens, lim.tokens_per_second)
     return waits
+
+
+def queued_wait(
+    demand: Demand, answer: LedgerAnswer, ahead: int = 0, ahead_tokens: int = 0
+) -> float:
+    """The estimated wait (s) until ``demand`` could be admitted behind ``ahead`` queued
+    requests, from the ledger's observed release rate; 0 when it fits now. Unbounded (inf)
+    when it can never fit at the observed rates; the no-signal probe when nothing was released
+    yet."""
+    waits = _waits(demand, answer, ahead, ahead_tokens)
+    wait = max(waits.values()) if waits else 0.0
+    return NO_SIGNAL_WAIT_S if math.isnan(wait) else wait
 
 
 def jittered_seconds(wait: float, rng: Random) -> int:
@@ -418,11 +434,22 @@ _WHY = {
 }
 
 
-def verdict(demand: Demand, answer: LedgerAnswer, rng: Random) -> Admitted | Reject:
-    """The ledger's answer as an admission or a 429 with retry hints."""
+def verdict(
+    demand: Demand,
+    answer: LedgerAnswer,
+    rng: Random,
+    ahead: int = 0,
+    ahead_tokens: int = 0,
+    why: str = "",
+) -> Admitted | Reject:
+    """The ledger's answer as an admission or a 429 with retry hints.
+
+    ``ahead``/``ahead_tokens``: requests queued before this one (its hint counts them);
+    ``why``: what flow control did first (e.g. "waited 30s"), said in the message.
+    """
     if answer.granted and answer.ticket is not None:
         return Admitted(demand, answer.ticket, answer.usage)
-    waits = _waits(demand, answer)
+    waits = _waits(demand, answer, ahead, ahead_tokens)
     cap = demand.limits.largest_admissible
     if cap is not None and demand.tokens > cap:
         # Only a replica's share can be this small (plan() 413s against the whole budget):
@@ -436,8 +463,8 @@ def verdict(demand: Demand, answer: LedgerAnswer, rng: Random) -> Admitted | Rej
     retry_after = jittered_seconds(wait, rng)
     token_waits = [waits[r] for r in (Reason.INFLIGHT_TOKENS, Reason.TOKEN_RATE) if r in waits]
     message = (
-        f"request class '{demand.class_name}' is over its budget ({_WHY[reason]}); "
-        f"retry after {retry_after}s"
+        f"request class '{demand.class_name}' is over its budget ({_WHY[reason]}"
+        f"{'; ' + why if why else ''}); retry after {retry_after}s"
     )
     return Reject(
         429,

@@ -60,8 +60,9 @@ from extproc.core.keys import KeySource
 from extproc.core.load import FleetSnapshot
 from extproc.core.placement import Placement
 
-Kind = Literal["primary", "spilled", "migrated", "hot_spread", "override"]
-KINDS: tuple[Kind, ...] = ("primary", "spilled", "migrated", "hot_spread", "override")
+# "placed": a new session moved off its full primary by admission (extproc/core/flow.py).
+Kind = Literal["primary", "spilled", "migrated", "hot_spread", "override", "placed"]
+KINDS: tuple[Kind, ...] = ("primary", "spilled", "migrated", "hot_spread", "override", "placed")
 MigrationReason = Literal["unhealthy", "memory_pressure"]
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from extproc.core.flow import WaitPolicy
+
 
 @dataclass(frozen=True, slots=True)
 class Cluster:
@@ -64,6 +66,7 @@ class RequestClass:
     tiers: frozenset[str] = field(default_factory=frozenset)
     eligible: tuple[str, ...] = ()
     budget: Budget = field(default_factory=Budget)
+    wait: WaitPolicy = field(default_factory=WaitPolicy)
 
     def matches(self, input_tokens: int, tier: str | None) -> bool:
         if self.tiers and (tier is None or tier not in self.tiers):

@@ -29,6 +29,7 @@ lapses with its TTL in any case, since nobody renews it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,10 +44,12 @@ from extproc.core.admission import (
     Demand,
     LedgerAnswer,
     Limits,
+    Reason,
     Reject,
     Ticket,
     Usage,
     plan,
+    queued_wait,
     request_tokens,
     unavailable,
     verdict,
@@ -54,10 +57,12 @@ from extproc.core.admission import (
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
 from extproc.core.fleet import Budget
+from extproc.core.flow import QueueVerdict, WaitPolicy, queue_decision
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.metrics import LedgerMetrics
 from extproc.ledger.redis import RedisLedger, lease_ttl_tick
+from extproc.ledger.waiters import Queued, Waiters, listen_for_releases
 from extproc.redis_health import RedisHealth
 
 log = logging.getLogger("extproc.ledger")
@@ -89,6 +94,16 @@ class _LogThrottle:
             return None
         self._last[key] = now
         return self._suppressed.pop(key, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One check-and-reserve: the outcome, the demand as enforced (a replica's share while
+    Redis is down) and the ledger's answer (None for the closed policy's 503)."""
+
+    outcome: Admitted | Reject
+    demand: Demand
+    answer: LedgerAnswer | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +159,9 @@ class AdmissionGate:
         self._background: set[asyncio.Task[None]] = set()
         self._throttle = _LogThrottle(clock, LOG_INTERVAL_S)
         self._m.set_mode(self.mode)
+        # Requests waiting for budget, woken by releases (extproc/ledger/waiters.py).
+        self.waiters = Waiters(metrics)
+        self._wakeups: asyncio.Task[None] | None = None
 
     # -- state ------------------------------------------------------------------------------
 
@@ -214,7 +232,19 @@ class AdmissionGate:
         if isinstance(planned, Reject):
             self._count_reject(planned)
             return planned
-        demand = planned
+        attempt = await self.attempt(planned)
+        if isinstance(attempt.outcome, Reject):
+            self._count_reject(attempt.outcome)
+        return attempt.outcome
+
+    async def attempt(self, demand: Demand, *, reserve: bool = True) -> Attempt:
+        """One check-and-reserve of ``demand`` on the active ledger, uncounted when refused
+        (the caller may still place or queue the request: see :meth:`count_reject`).
+        ``reserve=False`` only looks (a refusal computed from the compartment as it is)."""
+        if not reserve:
+            seen = await self.peek(demand)
+            refused = verdict(demand, dataclasses.replace(seen, granted=False), self._rng)
+            return Attempt(refused, demand, seen)
         self._publish(demand.cluster, demand.class_name, demand.limits)
         answer: LedgerAnswer | None = None
         if self._shared is not None and self._redis_due():
@@ -222,19 +252,83 @@ class AdmissionGate:
         if answer is None:
             if self._shared is not None and self._on_unavailable == "closed":
                 reject = unavailable(demand, self._health.probe_interval_s, self._rng)
-                self._count_reject(reject)
-                return reject
+                return Attempt(reject, demand, None)
             demand = demand.shared(self._replicas)
             # This replica's own Redis leases of the compartment are requests still running:
             # they count against its local share too, so an outage does not let it admit a
             # whole share on top of what it already holds.
             answer = self._local.reserve_now(demand, self._redis_usage(demand))
         outcome = verdict(demand, answer, self._rng)
-        if isinstance(outcome, Reject):
-            self._count_reject(outcome)
-            return outcome
-        self._track(outcome.ticket)
-        return outcome
+        if isinstance(outcome, Admitted):
+            self._track(outcome.ticket)
+        return Attempt(outcome, demand, answer)
+
+    async def peek(self, demand: Demand) -> LedgerAnswer:
+        """The compartment of ``demand`` as the active ledger sees it; reserves nothing."""
+        if self._shared is not None and self._redis_due():
+            try:
+                answer = await self._shared.usage(demand.cluster, demand.class_name, demand.limits)
+            except LedgerUnavailable as exc:
+                self._redis_failed("usage", exc)
+            else:
+                self._redis_ok()
+                return answer
+        local = demand.shared(self._replicas)
+        return await self._local.usage(local.cluster, local.class_name, local.limits)
+
+    @property
+    def polls_shared(self) -> bool:
+        """Whether budget can free without this replica seeing it (another replica's release,
+        a lapsed lease): then a waiter re-checks the shared ledger now and then."""
+        return self._shared is not None and self._health.up
+
+    def count_reject(self, reject: Reject) -> None:
+        self._count_reject(reject)
+
+    @property
+    def metrics(self) -> LedgerMetrics:
+        return self._m
+
+    def queue(
+        self,
+        demand: Demand,
+        attempt: Attempt,
+        policy: WaitPolicy,
+        tenant: str,
+        weight: float,
+        poll_s: float,
+    ) -> Queued | Reject:
+        """After a refused ``attempt`` of ``demand``: join its queue, or the 429 to answer now
+        (the class does not wait, the queue is full, or the estimated wait is too long: the
+        hint is then that estimate, counting the requests queued ahead)."""
+        reject = attempt.outcome
+        assert isinstance(reject, Reject)
+        answer = attempt.answer
+        if answer is None or reject.status != 429 or reject.reason is Reason.LOCAL_SHARE:
+            self._count_reject(reject)
+            return reject
+        ahead, ahead_tokens = self.waiters.ahead(demand.cluster, demand.class_name)
+        estimate = queued_wait(attempt.demand, answer, ahead, ahead_tokens)
+        decision = queue_decision(policy, ahead, estimate)
+        if decision is QueueVerdict.WAIT:
+            waiter = self.waiters.join(
+                (demand.cluster, demand.class_name), tenant, weight, demand.tokens
+            )
+            return Queued(
+                self, demand, waiter, policy, poll_s, self._clock, self._rng, self._clock(), answer
+            )
+        if decision is not QueueVerdict.NO_WAIT:
+            self._m.waits.labels(demand.class_name, decision.value).inc()
+            why = (
+                f"{ahead} requests already wait for it"
+                if decision is QueueVerdict.OVERFLOW
+                else f"the estimated wait exceeds its class's max_wait_s of {policy.max_wait_s:g}s"
+            )
+            refusal = verdict(attempt.demand, answer, self._rng, ahead, ahead_tokens, why=why)
+            assert isinstance(refusal, Reject)
+            reject = refusal
+        self._count_reject(reject)
+        return reject
 
     async def move(self, ticket: Ticket, cluster: str, budget: Budget) -> Ticket:
         """Charge a running request to ``cluster`` instead of ``ticket.cluster`` (Envoy failed
@@ -407,6 +501,7 @@ class AdmissionGate:
             self._untrack(held)
             if held.store == self._local.store:
                 self._local.release_now(held)
+                self.waiters.freed(held.cluster, held.class_name)
                 return
             if self._shared is None:
                 raise RuntimeError(f"ticket from ledger {held.store!r}, which this gate lacks")
@@ -414,6 +509,8 @@ class AdmissionGate:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             await asyncio.shield(task)
+            # This replica's own waiters need no round trip through pub/sub.
+            self.waiters.freed(held.cluster, held.class_name)
         except Exception:
             self._m.release_errors.inc()
             log.exception("budget release failed", extra={"request_class": ticket.class_name})
@@ -551,6 +648,20 @@ class AdmissionGate:
             except LedgerUnavailable as exc:
                 self._redis_failed("load", exc)
             self._renewer = asyncio.create_task(self._renew_loop(), name="ledger-renew")
+            subscribed = asyncio.Event()
+            self._wakeups = asyncio.create_task(
+                listen_for_releases(
+                    self._shared, self.waiters, self._health.probe_interval_s, subscribed
+                ),
+                name="ledger-wakeups",
+            )
+            # Subscribed before the first admission (bounded: Redis may be down at start, and
+            # the listener keeps trying on its own).
+            try:
+                async with asyncio.timeout(max(1.0, 4 * self._shared.timeout_s)):
+                    await subscribed.wait()
+            except TimeoutError:
+                log.warning("release notices not subscribed yet; waiters re-check periodically")
 
     async def _check_eviction(self, shared: RedisLedger) -> None:
         """Warn (log, readiness) when Redis may evict ledger keys: every ledger key has a TTL,
@@ -568,6 +679,10 @@ class AdmissionGate:
         log.warning(self.warnings[0])
 
     async def close(self) -> None:
+        if self._wakeups is not None:
+            self._wakeups.cancel()
+            await asyncio.gather(self._wakeups, return_exceptions=True)
+            self._wakeups = None
         if self._renewer is not None:
             self._renewer.cancel()
             await asyncio.gather(self._renewer, return_exceptions=True)

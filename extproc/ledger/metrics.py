@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from extproc.metrics import LATENCY_BUCKETS
 
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+
 
 class LedgerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -107,6 +109,36 @@ class LedgerMetrics:
             "fleet_ledger_leases_held",
             "Reservations this replica holds, by ledger.",
             ["ledger"],
+            registry=registry,
+        )
+
+        # -- flow control: waiting for budget (extproc/ledger/waiters.py) ---------------------
+        self.queue_depth = Gauge(
+            "fleet_flow_queue_depth",
+            "Requests waiting for budget on this replica, per (cluster, class).",
+            compartment,
+            registry=registry,
+        )
+        self.waits = Counter(
+            "fleet_flow_waits",
+            "Over-budget requests by what flow control did: admitted (after waiting), timeout"
+            " (429 after max_wait_s), cancelled (the client left), too_long (429 at once: the"
+            " estimated wait exceeds max_wait_s), overflow (429 at once: queue full).",
+            ["request_class", "result"],
+            registry=registry,
+        )
+        self.wait_seconds = Histogram(
+            "fleet_flow_wait_seconds",
+            "Time spent waiting for budget, by class and how the wait ended.",
+            ["request_class", "result"],
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.placements = Counter(
+            "fleet_flow_placements",
+            "New sessions placed on a later hash candidate because their primary's class"
+            " budget was full (flow.place_new_sessions).",
+            ["request_class"],
             registry=registry,
         )
 

@@ -231,7 +231,27 @@ class RedisLedger:
         return int(raw) == 1
 
     def _release_args(self, lease: str, cancel_ttl_s: float) -> list[str | int]:
-        return [lease, repr(RELEASE_RATE_TAU_S), self._idle_ttl_ms, repr(float(cancel_ttl_s))]
+        return [
+            lease,
+            repr(RELEASE_RATE_TAU_S),
+            self._idle_ttl_ms,
+            repr(float(cancel_ttl_s)),
+            self.freed_channel,
+        ]
+
+    @property
+    def freed_channel(self) -> str:
+        """The pub/sub channel release.lua announces every release on (payload: the
+        compartment's state key, see :func:`compartment_of`)."""
+        return f"{self.prefix}:freed"
+
+    def compartment_of(self, state_key: str) -> tuple[str, str] | None:
+        """(cluster, class) of a compartment's state key, None when it is not one of ours."""
+        head = f"{self.prefix}:{{"
+        if not state_key.startswith(head) or not state_key.endswith("}:state"):
+            return None
+        cluster, sep, class_name = state_key[len(head) : -len("}:state")].rpartition(":")
+        return (cluster, class_name) if sep else None
 
     async def cancel(self, cluster: str, class_name: str, lease: str) -> bool:
         """Settle a reserve whose outcome the caller never saw: release ``lease`` if Redis

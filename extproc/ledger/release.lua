@@ -9,13 +9,15 @@
 -- reservation nobody owns.
 --
 -- KEYS[1] state hash   KEYS[2] lease expiry zset   KEYS[3] lease tokens hash
--- ARGV: lease_id, rate_tau_s, idle_ttl_ms, cancel_ttl_s (0: a plain release)
+-- ARGV: lease_id, rate_tau_s, idle_ttl_ms, cancel_ttl_s (0: a plain release),
+--       freed_channel (optional: where a release is announced to waiting replicas)
 -- Returns 1 when the lease was held, 0 otherwise.
 local state, leases, lease_tokens = KEYS[1], KEYS[2], KEYS[3]
 local lease_id = ARGV[1]
 local tau = tonumber(ARGV[2])
 local idle_ttl_ms = tonumber(ARGV[3])
 local cancel_ttl = tonumber(ARGV[4]) or 0
+local freed_channel = ARGV[5]
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -53,4 +55,9 @@ redis.call('HSET', state, 'tokens', inflight, 'count', count, 'rel_n', tostring(
 redis.call('PEXPIRE', state, idle_ttl_ms)
 redis.call('PEXPIRE', leases, idle_ttl_ms)
 redis.call('PEXPIRE', lease_tokens, idle_ttl_ms)
+if freed_channel and freed_channel ~= '' then
+  -- Wakes the requests queued for this compartment on every replica (extproc/ledger/waiters.py).
+  -- The key names are the payload, so the subscriber needs no parsing of its own layout.
+  redis.call('PUBLISH', freed_channel, state)
+end
 return 1

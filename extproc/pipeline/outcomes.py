@@ -9,10 +9,13 @@ Four outcomes, each translated to one Envoy answer by the protocol shell
   unavailable under the ``closed`` policy);
 - :class:`Routed` — where the request goes (clusters, or endpoints in endpoint-picker mode);
   its :class:`Hold` is what :meth:`~extproc.pipeline.pipeline.Pipeline.release` gives back.
+
+and, for the protocol shell only, :class:`Waiting`: queued for budget, the answer comes later.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from extproc.core.admission import Reject, Ticket
@@ -99,3 +102,21 @@ class Rejected:
 
 
 Outcome = Routed | Rejected | BadRequest | Passthrough
+
+
+@dataclass(slots=True)
+class Waiting:
+    """Over budget, queued for up to ``max_wait_s`` (extproc/core/flow.py): not an answer yet.
+
+    Only :meth:`~extproc.pipeline.pipeline.Pipeline.decide_deferred` returns it, so the shell
+    can keep Envoy's message timer from firing before it awaits :attr:`resume`, which ends as
+    Routed or Rejected. :attr:`cancel` (idempotent) withdraws the request when the stream ends
+    first; nothing is held while waiting.
+    """
+
+    facts: RequestFacts
+    route: Route
+    kind: Kind
+    max_wait_s: float
+    resume: Callable[[], Awaitable[Outcome]]
+    cancel: Callable[[], None]

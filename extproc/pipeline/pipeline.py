@@ -20,21 +20,24 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from extproc.config.runtime import Runtime
-from extproc.core.admission import Admitted, Reject, plan, request_tokens
-from extproc.core.affinity import Decision, Kind, place
+from extproc.core.admission import Admitted, Demand, Reject, plan, request_tokens
+from extproc.core.affinity import Decision, Kind, Override, SessionView, place
 from extproc.core.api import Api, BadRequest, api_for_path
 from extproc.core.decide import Route
 from extproc.core.endpoints import pick_endpoints
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
+from extproc.core.flow import placement_candidates, secondary_for
 from extproc.core.keys import KeySource
 from extproc.core.load import ORCA_HEADER, parse_load_headers
 from extproc.core.pd import PrefillChoice
 from extproc.core.placement import Placement, mix64
 from extproc.core.usage import SseUsageScanner, Usage, response_id_from_body, usage_from_body
 from extproc.ledger.gate import AdmissionGate
+from extproc.ledger.waiters import Queued
 from extproc.metrics import Metrics
 from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.fleet_state import FleetState
@@ -44,6 +47,7 @@ from extproc.pipeline.outcomes import (
     Outcome,
     Rejected,
     Routed,
+    Waiting,
 )
 
 log = logging.getLogger("extproc.server")
@@ -69,6 +73,14 @@ def inference_api(headers: Mapping[str, str]) -> Api | None:
     if headers.get(":method") != "POST":
         return None
     return api_for_path(headers.get(":path", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """Admitted on a later hash candidate (flow.place_new_sessions)."""
+
+    route: Route
+    admitted: Admitted
 
 
 class Pipeline:
@@ -153,7 +165,28 @@ class Pipeline:
         ``body`` is the whole body, or None when the request ended with its headers. A Routed
         outcome's hold must be given back with :meth:`release` when the exchange ends.
         ``record=False`` is :meth:`preview` (one body for both, so they cannot drift).
+        A request queued for budget is waited for here (:meth:`decide_deferred` hands the
+        wait to the caller instead).
         """
+        outcome = await self.decide_deferred(headers, body, now, record=record)
+        if isinstance(outcome, Waiting):
+            try:
+                return await outcome.resume()
+            finally:
+                outcome.cancel()
+        return outcome
+
+    async def decide_deferred(
+        self,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        now: float,
+        *,
+        record: bool = True,
+    ) -> Outcome | Waiting:
+        """:meth:`decide`, except that a request queued for budget comes back as
+        :class:`Waiting` at once: the protocol shell first extends Envoy's message timer, then
+        awaits ``resume()`` (and calls ``cancel()`` if the stream ends first)."""
         api = inference_api(headers)
         if api is None:
             if record:
@@ -186,16 +219,22 @@ class Pipeline:
             facts = await self._follow(runtime, facts, now, record)
         route = runtime.policy.route(facts)
         kind: Kind = "primary"
+        view: SessionView | None = None
         if runtime.affinity.enabled:
-            decision = await self._place(runtime, facts, route, now, record)
+            decision, view = await self._place(runtime, facts, route, now, record)
             route = Route(decision.placement, route.request_class)
             kind = decision.kind
-        elif self._endpoint_health is not None and not runtime.endpoint_picker:
-            # Probed clusters (processor.probe_clusters, or a P/D fleet): a primary with no
-            # ready endpoint is not placed on, so the request is admitted against the budget of
-            # the cluster that will serve it (affinity does the same through its load
-            # snapshot), and a P/D prefiller is chosen in that cluster's island.
-            route = self._around_unready(runtime, facts, route, record)
+        else:
+            if self._endpoint_health is not None and not runtime.endpoint_picker:
+                # Probed clusters (processor.probe_clusters, or a P/D fleet): a primary with no
+                # ready endpoint is not placed on, so the request is admitted against the budget
+                # of the cluster that will serve it (affinity does the same through its load
+                # snapshot), and a P/D prefiller is chosen in that cluster's island.
+                route = self._around_unready(runtime, facts, route, record)
+            if runtime.flow.place_new_sessions and route.request_class.budget.enforced:
+                # Admission's placement needs to know new sessions from existing ones, and
+                # later turns must follow a placement: the session memory, without affinity.
+                route, kind, view = await self._follow_override(runtime, facts, route, now, record)
         prefill = self._choose_prefill(runtime, facts, route, now)
         if not record:
             planned = plan(request_tokens(facts), route)
@@ -206,12 +245,55 @@ class Pipeline:
             )
         hold = Hold(api)
         if self._gate is not None:
-            admission = await self._gate.admit(facts, route)
+            admission = await self._admit(self._gate, runtime, facts, route, view, now, headers)
             if isinstance(admission, Reject):
                 self._count_reject(facts, admission, headers)
                 return Rejected(facts, route, kind, admission)
+            if isinstance(admission, _Placed):
+                route, kind = admission.route, "placed"
+                admission = admission.admitted
+                # The decode target moved: its prefiller is chosen for the new one.
+                prefill = self._choose_prefill(runtime, facts, route, now)
+            if isinstance(admission, Queued):
+                return self._waiting(admission, runtime, facts, route, kind, hold, headers, prefill)
             if isinstance(admission, Admitted):
                 hold.ticket = admission.ticket
+        return await self._routed(runtime, facts, route, kind, hold, headers, prefill)
+
+    def _waiting(
+        self,
+        queued: Queued,
+        runtime: Runtime,
+        facts: RequestFacts,
+        route: Route,
+        kind: Kind,
+        hold: Hold,
+        headers: Mapping[str, str],
+        prefill: PrefillChoice | None,
+    ) -> Waiting:
+        async def resume() -> Outcome:
+            admission = await queued.wait()
+            if isinstance(admission, Reject):
+                self._count_reject(facts, admission, headers)
+                return Rejected(facts, route, kind, admission)
+            hold.ticket = admission.ticket
+            return await self._routed(runtime, facts, route, kind, hold, headers, prefill)
+
+        return Waiting(facts, route, kind, queued.max_wait_s, resume, queued.cancel)
+
+    async def _routed(
+        self,
+        runtime: Runtime,
+        facts: RequestFacts,
+        route: Route,
+        kind: Kind,
+        hold: Hold,
+        headers: Mapping[str, str],
+        prefill: PrefillChoice | None,
+    ) -> Routed | Rejected:
+        """The decode budget is held (or none is needed): the prefill pool's budget, then the
+        bookkeeping of a routed request."""
+        if self._gate is not None:
             refused = await self._admit_prefill(runtime, facts, route, prefill, hold)
             if refused is not None:
                 self._count_reject(facts, refused, headers)
@@ -353,9 +435,97 @@ class Pipeline:
             self._metrics.placed_around_unready.labels(route.placement.primary).inc()
         return Route(placement, route.request_class)
 
+    async def _admit(
+        self,
+        gate: AdmissionGate,
+        runtime: Runtime,
+        facts: RequestFacts,
+        route: Route,
+        view: SessionView | None,
+        now: float,
+        headers: Mapping[str, str],
+    ) -> Admitted | Reject | _Placed | Queued | None:
+        """Admission with flow control (extproc/core/flow.py): the chosen primary; else, for
+        a new session, its next hash candidate with room; else a bounded wait; else a 429."""
+        planned = plan(request_tokens(facts), route)
+        if planned is None or isinstance(planned, Reject):
+            return await gate.admit(facts, route)  # unbudgeted, or a 413: counted there
+        cls = route.request_class
+        if cls.wait.enabled and gate.waiters.depth(planned.cluster, cls.name):
+            # Others already wait here: join behind them rather than take the budget a
+            # release just handed to the queue's head.
+            attempt = await gate.attempt(planned, reserve=False)
+        else:
+            attempt = await gate.attempt(planned)
+        if isinstance(attempt.outcome, Admitted):
+            return attempt.outcome
+        if runtime.flow.place_new_sessions and view is not None and attempt.outcome.status == 429:
+            placed = await self._place_elsewhere(gate, runtime, facts, route, view, now)
+            if placed is not None:
+                return placed
+        header = runtime.flow.tenant_header
+        tenant = (headers.get(header) if header else None) or facts.tier or ""
+        return gate.queue(
+            planned,
+            attempt,
+            cls.wait,
+            tenant,
+            runtime.flow.weight(facts.tier),
+            runtime.flow_redis_poll_s,
+        )
+
+    async def _place_elsewhere(
+        self,
+        gate: AdmissionGate,
+        runtime: Runtime,
+        facts: RequestFacts,
+        route: Route,
+        view: SessionView,
+        now: float,
+    ) -> _Placed | None:
+        """A new session on the first later hash candidate whose budget has room, remembered
+        as an override so its later turns follow; None when it is not new or none has room."""
+        cls = route.request_class
+        ranked = runtime.policy.placers[cls.name].ranked(facts.session.point)
+        ready = self._ready_clusters(runtime)
+        order = placement_candidates(
+            ranked, route.placement.primary, view.seen, view.override is not None
+        )
+        for cluster in order:
+            if not self.fleet.load.cluster(cluster, now, ready).healthy:
+                continue
+            placement = Placement(cluster, secondary_for(ranked, cluster))
+            candidate = Route(placement, cls)
+            planned = plan(request_tokens(facts), candidate)
+            if not isinstance(planned, Demand):
+                continue
+            attempt = await gate.attempt(planned)
+            if isinstance(attempt.outcome, Admitted):
+                override = Override(cluster, now + runtime.affinity.override_ttl_s)
+                await self.fleet.remember(
+                    facts, Decision(placement, "placed", override_to_write=override), now
+                )
+                gate.metrics.placements.labels(cls.name).inc()
+                return _Placed(candidate, attempt.outcome)
+        return None
+
+    async def _follow_override(
+        self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool
+    ) -> tuple[Route, Kind, SessionView]:
+        """Without load-aware affinity: mark the session seen and follow an earlier
+        placement's override (the session's cache is there)."""
+        cls = route.request_class
+        ranked = runtime.policy.placers[cls.name].ranked(facts.session.point)
+        view = await self.fleet.view(facts, ranked[0], now, runtime.affinity, record=record)
+        override = view.override
+        if override is not None and override.cluster in ranked:
+            placement = Placement(override.cluster, secondary_for(ranked, override.cluster))
+            return Route(placement, cls), "override", view
+        return route, "primary", view
+
     async def _place(
         self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool
-    ) -> Decision:
+    ) -> tuple[Decision, SessionView]:
         """Feed the pure affinity policy: candidates, load snapshot, session memory, now."""
         fleet = self.fleet
         params = runtime.affinity
@@ -371,7 +541,7 @@ class Pipeline:
                 # The session leaves the cluster holding its cache: one re-prefill on the new one.
                 self._metrics.migrations.labels(decision.migration_reason).inc()
             await fleet.remember(facts, decision, now)
-        return decision
+        return decision, view
 
     def _endpoints(
         self, runtime: Runtime, facts: RequestFacts, route: Route

@@ -8,7 +8,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+from google.protobuf import duration_pb2, struct_pb2
 
 from extproc.core.admission import Reject
 from extproc.core.api import BadRequest, ErrorStyle
@@ -23,6 +23,7 @@ from extproc.names import (
     ROUTE_HEADER,
     SECONDARY_HEADER,
     SESSION_HEADER,
+    WAIT_TIMER_HEADROOM_S,
 )
 from extproc.protocol.errors import error_body
 
@@ -45,6 +46,21 @@ STREAM_RESPONSE_HEADERS = ep.ProcessingResponse(
         response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED
     ),
 )
+
+
+def extend_message_timeout(seconds: float) -> ep.ProcessingResponse:
+    """A message that only re-arms Envoy's ext_proc message timer for ``seconds``.
+
+    Sent while a request waits for budget (extproc/core/flow.py): the body message stays
+    unanswered meanwhile, and the filter's ``message_timeout`` would otherwise end the wait
+    (fail-open: the request would go unplaced). Envoy restarts the timer of the phase it
+    waits on with this duration; it must not exceed the filter's ``max_message_timeout``
+    (rendered in extproc/render/envoy.py), or Envoy ignores it. Verified on Envoy 1.40 by
+    tests/e2e/test_flow.py (a 3 s wait under a 2 s message_timeout).
+    """
+    wanted = seconds + WAIT_TIMER_HEADROOM_S
+    timeout = duration_pb2.Duration(seconds=int(wanted), nanos=int((wanted % 1) * 1e9))
+    return ep.ProcessingResponse(override_message_timeout=timeout)
 
 
 def _set(key: str, value: str) -> base_pb2.HeaderValueOption:

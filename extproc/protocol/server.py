@@ -22,7 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from extproc.core.api import BadRequest
-from extproc.pipeline.outcomes import Outcome, Passthrough, Rejected, Routed
+from extproc.pipeline.outcomes import Outcome, Passthrough, Rejected, Routed, Waiting
 from extproc.pipeline.pipeline import Pipeline, inference_api
 from extproc.protocol import responses
 from extproc.protocol.attributes import served_cluster
@@ -40,7 +40,7 @@ _PARTIAL_BODY_MODES = frozenset(
     }
 )
 
-Handler = Callable[[StreamState, Any], Awaitable[ep.ProcessingResponse]]
+Handler = Callable[[StreamState, Any], Awaitable[ep.ProcessingResponse | Waiting]]
 
 
 def _header_map(headers: Any) -> dict[str, str]:
@@ -93,7 +93,18 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if handler is None:
                     self._metrics.stream_errors.labels("unknown_phase").inc()
                     continue
-                yield await handler(state, request)
+                answer = await handler(state, request)
+                if isinstance(answer, Waiting):
+                    # Queued for budget: keep Envoy's message timer from ending the wait,
+                    # then answer the body message when the wait ends.
+                    try:
+                        yield responses.extend_message_timeout(answer.max_wait_s)
+                        outcome = await answer.resume()
+                    finally:
+                        answer.cancel()  # the stream ended first: leave the queue
+                    yield self._answer(state, outcome, responses.CONTINUE_BODY)
+                    continue
+                yield answer
         except asyncio.CancelledError:
             # Envoy cancels the stream when the client or upstream aborts: an ordinary end.
             raise
@@ -139,7 +150,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         outcome = await self.pipeline.decide(state.headers, None, self._clock())
         return self._answer(state, outcome, responses.CONTINUE_HEADERS)
 
-    async def _on_request_body(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
+    async def _on_request_body(
+        self, state: StreamState, request: Any
+    ) -> ep.ProcessingResponse | Waiting:
         api = state.api
         if api is None or state.decided:
             return responses.CONTINUE_BODY
@@ -156,7 +169,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # stream, or, when the request has trailers, as they arrive, with end_of_stream=false
         # (the trailers message follows this answer). Either way this is the whole body, and
         # the answer's header mutation and clear_route_cache still route the request.
-        outcome = await self.pipeline.decide(state.headers, body, started)
+        outcome = await self.pipeline.decide_deferred(state.headers, body, started)
+        if isinstance(outcome, Waiting):
+            return outcome
         answer = self._answer(state, outcome, responses.CONTINUE_BODY)
         if isinstance(outcome, (Routed, Rejected)):
             self._metrics.decision_seconds.observe(self._clock() - started)

@@ -14,12 +14,19 @@ that benchmarks compare like with like:
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from extproc.config.runtime import Runtime
 from extproc.core.fleet import Cluster
-from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, PD_HEADERS, ROUTE_HEADER
+from extproc.names import (
+    BUFFER_HEADROOM,
+    FLEET_HEADERS,
+    PD_HEADERS,
+    ROUTE_HEADER,
+    WAIT_TIMER_HEADROOM_S,
+)
 from extproc.render.envoy_served import observes_responses, response_attributes, tag_endpoint
 from extproc.render.local_reply import local_reply_config
 
@@ -291,6 +298,17 @@ def _override_host_policy() -> Json:
     }
 
 
+def _wait_timer(runtime: Runtime) -> Json:
+    """``max_message_timeout`` when some class waits for budget (extproc/core/flow.py): the
+    processor re-arms the message timer with ``override_message_timeout`` for the wait, which
+    Envoy honours only up to this bound (0, the default, ignores every override)."""
+    longest = max((c.wait.max_wait_s for c in runtime.policy.classes if c.wait.enabled), default=0)
+    if not longest:
+        return {}
+    bound = max(longest + WAIT_TIMER_HEADROOM_S, runtime.config.processor.message_timeout_ms / 1000)
+    return {"max_message_timeout": f"{math.ceil(bound)}s"}
+
+
 def _ext_proc_filter(runtime: Runtime) -> Json:
     proc = runtime.config.processor
     extra: Json = {}
@@ -299,6 +317,7 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
     if _picks_endpoints(runtime):
         # Without this Envoy silently drops the envoy.lb metadata the picker returns.
         extra["metadata_options"] = {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
+    extra.update(_wait_timer(runtime))
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {

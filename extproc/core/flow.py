@@ -1,0 +1,214 @@
+"""Flow control before a 429: place a new session elsewhere, then wait (bounded), then refuse.
+
+Pure decisions and one pure data structure; the shell (extproc/ledger/waiters.py,
+extproc/pipeline/pipeline.py) does the reserving, the waiting and the remembering. See
+ARCHITECTURE.md, "Flow control".
+
+1. **Place before refusing** (:func:`placement_candidates`): a request of a *new* session (no
+   seen mark, no override: no cache anywhere) whose primary's class budget is full may run on
+   the next hash candidate with room, tried in hash order. The shell remembers the choice as an
+   override (like a spill), so the session's later turns follow it. An existing session never
+   moves by this rule: its cache is on its primary, so it waits or gets its 429.
+2. **Wait, bounded** (:func:`queue_decision`): an over-budget request waits in its (cluster,
+   class) queue when the class allows waiting, the queue has room and the wait estimated from the
+   observed release rate (:func:`extproc.core.admission.queued_wait`) fits the class's maximum;
+   otherwise it is refused at once with that estimate as its retry hint.
+3. **Fair order** (:class:`FairQueue`): within a (cluster, class) queue, FIFO within a tenant and
+   weighted fair across tenants (start-time fair queueing over unit costs, weight by tier).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+
+@dataclass(frozen=True, slots=True)
+class WaitPolicy:
+    """How long and how many requests of one class may wait for budget on one cluster.
+
+    ``max_wait_s`` 0 means "never wait" (the 429 is immediate, the behaviour before waiting
+    existed); ``max_queue`` bounds the waiters per (cluster, class) on one processor replica.
+    """
+
+    max_wait_s: float = 0.0
+    max_queue: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_wait_s > 0 and self.max_queue > 0
+
+
+@dataclass(frozen=True, slots=True)
+class FlowParams:
+    """Compiled from fleet.yaml's ``flow:`` section."""
+
+    # Place a new session on its next hash candidate with room when its primary is full.
+    place_new_sessions: bool = False
+    # The trusted header naming the tenant for fair queueing (None: the tier is the tenant).
+    tenant_header: str | None = None
+    # A tenant's share of a contended queue is proportional to its tier's weight (default 1).
+    tier_weights: Mapping[str, float] = field(default_factory=dict)
+
+    def weight(self, tier: str | None) -> float:
+        return self.tier_weights.get(tier or "", 1.0)
+
+
+def placement_candidates(
+    ranked: Sequence[str], refused: str, seen: bool, has_override: bool
+) -> tuple[str, ...]:
+    """The clusters to try, in order, after ``refused`` (the chosen primary) had no budget.
+
+    Empty for an existing session (seen recently, or already placed by an override): its
+    cache is where it runs, so it is never moved by admission. A new session gets the other
+    candidates in hash order (its rendezvous ranking), so the choice is deterministic and the
+    next-best cluster by the same hash that picked the primary.
+    """
+    if seen or has_override:
+        return ()
+    return tuple(name for name in ranked if name != refused)
+
+
+def secondary_for(ranked: Sequence[str], chosen: str) -> str | None:
+    """Envoy's failover target for a request placed on ``chosen``: the first other candidate
+    in hash order (pure hashing's own rule)."""
+    for name in ranked:
+        if name != chosen:
+            return name
+    return None
+
+
+class QueueVerdict(StrEnum):
+    WAIT = "wait"
+    OVERFLOW = "overflow"  # the queue is at max_queue
+    TOO_LONG = "too_long"  # the estimated wait exceeds max_wait_s
+    NO_WAIT = "no_wait"  # the class does not wait
+
+
+def queue_decision(policy: WaitPolicy, queued: int, estimate_s: float) -> QueueVerdict:
+    """Whether an over-budget request joins a queue holding ``queued`` waiters, given the
+    estimated wait for its position (``estimate_s``, from the observed release rate)."""
+    if not policy.enabled:
+        return QueueVerdict.NO_WAIT
+    if queued >= policy.max_queue:
+        return QueueVerdict.OVERFLOW
+    if estimate_s > policy.max_wait_s:
+        return QueueVerdict.TOO_LONG
+    return QueueVerdict.WAIT
+
+
+T = TypeVar("T")
+
+
+@dataclass(order=True, slots=True)
+class _Entry(Generic[T]):
+    tag: float
+    seq: int
+    tenant: str = field(compare=False)
+    item: T = field(compare=False)
+    cost: int = field(compare=False, default=0)
+    removed: bool = field(compare=False, default=False)
+
+
+class FairQueue(Generic[T]):
+    """Waiters of one (cluster, class): FIFO per tenant, weighted fair across tenants.
+
+    Self-clocked fair queueing with unit costs: a tenant's n-th waiter gets the tag
+    ``max(V, last tag of the tenant) + 1/weight`` where V is the tag last served; the smallest
+    tag is served first (ties: arrival order). Tags of one tenant only grow, so each tenant is
+    FIFO; while tenants are all backlogged, the requests served to tenants a and b differ from
+    their weights' ratio by at most one request each (``tests/unit/test_flow.py`` checks the
+    bound). A tenant that arrives after an idle spell starts at V, so it cannot claim credit
+    for the time it was away.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[_Entry[T]] = []
+        self._ids: dict[int, _Entry[T]] = {}
+        self._last: dict[str, float] = {}
+        self._virtual = 0.0
+        self._seq = itertools.count()
+        self._live = 0
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    @property
+    def tokens(self) -> int:
+        """The summed cost (estimated input tokens) of the live waiters."""
+        return self._tokens
+
+    def push(self, item: T, tenant: str, weight: float = 1.0, cost: int = 0) -> int:
+        """Queue ``item``; returns its id (for :meth:`remove`)."""
+        start = max(self._virtual, self._last.get(tenant, self._virtual))
+        tag = start + 1.0 / max(weight, 1e-9)
+        self._last[tenant] = tag
+        seq = next(self._seq)
+        entry = _Entry(tag, seq, tenant, item, cost)
+        heapq.heappush(self._heap, entry)
+        self._ids[seq] = entry
+        self._live += 1
+        self._tokens += cost
+        return seq
+
+    def _drop_removed(self) -> None:
+        while self._heap and self._heap[0].removed:
+            heapq.heappop(self._heap)
+
+    def head(self) -> T | None:
+        """The waiter served next, or None when empty."""
+        self._drop_removed()
+        return self._heap[0].item if self._heap else None
+
+    def head_id(self) -> int | None:
+        self._drop_removed()
+        return self._heap[0].seq if self._heap else None
+
+    def pop(self) -> T | None:
+        """Serve the head."""
+        self._drop_removed()
+        if not self._heap:
+            return None
+        entry = heapq.heappop(self._heap)
+        self._virtual = max(self._virtual, entry.tag)
+        self._forget(entry)
+        return entry.item
+
+    def remove(self, seq: int) -> bool:
+        """Withdraw a waiter (timed out, or its client went away); True when it was queued."""
+        entry = self._ids.get(seq)
+        if entry is None or entry.removed:
+            return False
+        entry.removed = True
+        self._forget(entry)
+        self._drop_removed()
+        return True
+
+    def _forget(self, entry: _Entry[T]) -> None:
+        self._ids.pop(entry.seq, None)
+        self._live -= 1
+        self._tokens -= entry.cost
+        if not self._live:
+            # Idle: nothing is owed to anyone any more.
+            self._last.clear()
+
+    def ahead_of(self, seq: int) -> tuple[int, int]:
+        """(waiters, their tokens) that would be served before ``seq``."""
+        entry = self._ids.get(seq)
+        if entry is None:
+            return 0, 0
+        n = tokens = 0
+        for other in self._ids.values():
+            if other < entry:
+                n += 1
+                tokens += other.cost
+        return n, tokens
+
+    def __iter__(self) -> Iterator[T]:
+        """Live waiters in service order."""
+        return iter(e.item for e in sorted(self._ids.values()))

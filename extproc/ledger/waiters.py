@@ -1,0 +1,275 @@
+"""Requests waiting for budget: per-(cluster, class) fair queues, woken as budget is released.
+
+The order is the core's (:class:`extproc.core.flow.FairQueue`: FIFO per tenant, weighted fair
+across tenants); this module adds the waiting. Only the queue's head re-tries the ledger: a
+release wakes the head, the head reserves, and when it got in it wakes the next head (the
+release may have freed room for more). So a release costs one reserve attempt, not one per
+waiter, and a waiter behind the head is never admitted before it.
+
+What wakes the head:
+
+- in memory: the release itself (:meth:`Waiters.freed`, called by the gate), event-driven;
+- with Redis: every release, of any replica, is announced by release.lua on the pub/sub
+  channel ``P:freed`` (payload: the compartment's state key), which :func:`listen_for_releases`
+  turns into :meth:`Waiters.freed`. A notice can be lost (a reconnect) and budget can free
+  without a release (a lease that lapsed with its dead holder), so while Redis is in use the
+  head also re-checks every ``flow.redis_poll_ms`` (RELIABILITY.md, "Flow control" has the
+  measured wake-up latency of both);
+- a token-rate limit frees budget with time alone: the head sleeps until the bucket holds
+  enough.
+
+A waiter leaves the queue at once when its client goes away (the stream's task is cancelled),
+when its ``max_wait_s`` is up (a 429 with a hint updated for its position) or when admitted.
+Nothing is held while waiting: the reservation is taken only by the successful attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from random import Random
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+
+from extproc.core.admission import (
+    Admitted,
+    Demand,
+    LedgerAnswer,
+    Reason,
+    Reject,
+    queued_wait,
+    verdict,
+)
+from extproc.core.flow import FairQueue, WaitPolicy
+from extproc.ledger.metrics import LedgerMetrics
+
+if TYPE_CHECKING:
+    from extproc.ledger.gate import AdmissionGate
+    from extproc.ledger.redis import RedisLedger
+
+log = logging.getLogger("extproc.ledger")
+
+Key = tuple[str, str]
+
+
+class Waiter:
+    __slots__ = ("key", "seq", "wake")
+
+    def __init__(self, key: Key) -> None:
+        self.key = key
+        self.seq = -1
+        self.wake = asyncio.Event()
+
+
+class Waiters:
+    """The queues of one replica."""
+
+    def __init__(self, metrics: LedgerMetrics) -> None:
+        self._m = metrics
+        self._queues: dict[Key, FairQueue[Waiter]] = {}
+
+    def depth(self, cluster: str, class_name: str) -> int:
+        queue = self._queues.get((cluster, class_name))
+        return len(queue) if queue is not None else 0
+
+    def ahead(self, cluster: str, class_name: str) -> tuple[int, int]:
+        """(waiters, their tokens) a request joining now would be behind (an upper bound
+        under weighted fairness: a heavier tenant may be served before some of them)."""
+        queue = self._queues.get((cluster, class_name))
+        return (len(queue), queue.tokens) if queue is not None else (0, 0)
+
+    def position(self, waiter: Waiter) -> tuple[int, int]:
+        queue = self._queues.get(waiter.key)
+        return queue.ahead_of(waiter.seq) if queue is not None else (0, 0)
+
+    def join(self, key: Key, tenant: str, weight: float, tokens: int) -> Waiter:
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = FairQueue()
+        waiter = Waiter(key)
+        waiter.seq = queue.push(waiter, tenant, weight, tokens)
+        self._m.queue_depth.labels(*key).set(len(queue))
+        return waiter
+
+    def is_head(self, waiter: Waiter) -> bool:
+        queue = self._queues.get(waiter.key)
+        return queue is not None and queue.head_id() == waiter.seq
+
+    def leave(self, waiter: Waiter) -> None:
+        """Withdraw ``waiter`` (idempotent); when it was the head, the next one takes over."""
+        queue = self._queues.get(waiter.key)
+        if queue is None:
+            return
+        was_head = queue.head_id() == waiter.seq
+        if not queue.remove(waiter.seq):
+            return
+        self._m.queue_depth.labels(*waiter.key).set(len(queue))
+        if not queue:
+            del self._queues[waiter.key]
+        elif was_head:
+            self._wake_head(queue)
+
+    def freed(self, cluster: str, class_name: str) -> None:
+        """Budget was released on (cluster, class): the head tries again."""
+        queue = self._queues.get((cluster, class_name))
+        if queue is not None:
+            self._wake_head(queue)
+
+    @staticmethod
+    def _wake_head(queue: FairQueue[Waiter]) -> None:
+        head = queue.head()
+        if head is not None:
+            head.wake.set()
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+
+@dataclass(slots=True)
+class Queued:
+    """One request in its queue; :meth:`wait` ends as Admitted or a 429 (or a 503 when the
+    shared ledger became unreachable under the closed policy); :meth:`cancel` withdraws it."""
+
+    gate: AdmissionGate
+    demand: Demand
+    waiter: Waiter
+    policy: WaitPolicy
+    poll_s: float
+    clock: Callable[[], float]
+    rng: Random
+    started: float
+    answer: LedgerAnswer
+    done: bool = False
+
+    @property
+    def max_wait_s(self) -> float:
+        return self.policy.max_wait_s
+
+    def _finish(self, result: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.gate.waiters.leave(self.waiter)
+        m = self.gate.metrics
+        m.waits.labels(self.demand.class_name, result).inc()
+        m.wait_seconds.labels(self.demand.class_name, result).observe(
+            max(0.0, self.clock() - self.started)
+        )
+
+    def cancel(self) -> None:
+        """The client went away before :meth:`wait` ended: leave, holding nothing."""
+        self._finish("cancelled")
+
+    async def wait(self) -> Admitted | Reject:
+        waiters = self.gate.waiters
+        deadline = self.started + self.policy.max_wait_s
+        waiter = self.waiter
+        try:
+            while True:
+                # Cleared before the attempt: a release during a Redis round trip sets it
+                # again, so the next sleep returns at once instead of missing the wake-up.
+                waiter.wake.clear()
+                now = self.clock()
+                nap = deadline - now
+                if waiters.is_head(waiter):
+                    attempt = await self.gate.attempt(self.demand)
+                    if isinstance(attempt.outcome, Admitted):
+                        self._finish("admitted")
+                        return attempt.outcome
+                    if attempt.answer is None:  # the closed policy's 503
+                        self._finish("timeout")
+                        self.gate.count_reject(attempt.outcome)
+                        return attempt.outcome
+                    self.answer = attempt.answer
+                    now = self.clock()
+                    nap = deadline - now
+                    if nap > 0 and self.gate.polls_shared:
+                        nap = min(nap, self.poll_s)
+                    if nap > 0 and attempt.outcome.reason is Reason.TOKEN_RATE:
+                        refill = queued_wait(attempt.demand, attempt.answer)
+                        nap = min(nap, max(0.001, refill))
+                if now >= deadline:
+                    return await self._timed_out(now)
+                try:
+                    async with asyncio.timeout(nap):
+                        await waiter.wake.wait()
+                except TimeoutError:
+                    pass
+        except BaseException:
+            # Cancelled (the client left) or failed: out of the queue at once, nothing held.
+            self._finish("cancelled")
+            raise
+
+    async def _timed_out(self, now: float) -> Reject:
+        ahead, ahead_tokens = self.gate.waiters.position(self.waiter)
+        if ahead:
+            # Not the head: its last answer is stale; the hint needs the compartment now.
+            self.answer = await self.gate.peek(self.demand)
+        self._finish("timeout")
+        outcome = verdict(
+            self.demand,
+            self.answer,
+            self.rng,
+            ahead,
+            ahead_tokens,
+            why=f"waited {now - self.started:.1f}s, its class's max_wait_s",
+        )
+        assert isinstance(outcome, Reject)  # a peek never grants
+        self.gate.count_reject(outcome)
+        return outcome
+
+
+async def listen_for_releases(
+    shared: RedisLedger,
+    waiters: Waiters,
+    retry_s: float,
+    subscribed: asyncio.Event | None = None,
+    read_timeout_s: float = 1.0,
+) -> None:
+    """Turn the shared ledger's release notices into wake-ups, until cancelled.
+
+    Reconnects after ``retry_s`` on any Redis error; a notice missed meanwhile is covered by
+    the head's periodic re-check. A client without pub/sub (the Redis Cluster client) leaves
+    waiters to that re-check alone.
+    """
+    pubsub_of: Any = getattr(shared.client, "pubsub", None)
+    if pubsub_of is None:
+        log.warning("redis client has no pub/sub: waiters re-check the ledger periodically")
+        if subscribed is not None:
+            subscribed.set()
+        return
+    warned = False
+    while True:
+        pubsub = pubsub_of()
+        try:
+            await pubsub.subscribe(shared.freed_channel)
+            if subscribed is not None:
+                subscribed.set()
+            warned = False
+            while True:
+                msg = await pubsub.get_message(
+                    ignore_subscribe_messages=True, timeout=read_timeout_s
+                )
+                if msg is None:
+                    continue
+                data = msg.get("data")
+                key = data.decode() if isinstance(data, bytes) else str(data)
+                found = shared.compartment_of(key)
+                if found is not None:
+                    waiters.freed(*found)
+        except (RedisError, OSError) as exc:
+            if not warned:
+                warned = True
+                log.warning(
+                    "release notices unavailable; waiters re-check the ledger periodically",
+                    extra={"error": f"{type(exc).__name__}: {exc}"},
+                )
+        finally:
+            try:
+                await asyncio.shield(pubsub.aclose())
+            except (RedisError, OSError):
+                log.debug("pub/sub close failed", exc_info=True)
+        await asyncio.sleep(retry_s)

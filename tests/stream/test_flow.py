@@ -1,0 +1,284 @@
+"""Flow control through the pipeline with the real gate (in memory, and Redis shared by two
+gates): a new session placed on its next candidate and staying there, existing sessions never
+moved, waits woken by releases, cancellation leaving nothing held, overflow and too-long waits
+refused at once, timeouts answered with an updated hint."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from extproc.config import compile_runtime, parse_config
+from extproc.config.runtime import Overrides
+from extproc.core.facts import RequestFacts, parse_request
+from extproc.ledger.gate import build_gate
+from extproc.metrics import Metrics
+from extproc.pipeline.outcomes import Rejected, Routed, Waiting
+from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
+from tests.support.redis_server import RedisServer
+
+CHAT = "/v1/chat/completions"
+
+
+def doc(
+    wait_s: float = 0.0, max_queue: int = 8, place: bool = False, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "clusters": [{"name": f"c{i}", "endpoints": [f"127.0.0.1:80{i:02d}"]} for i in (1, 2, 3)],
+        "classes": [
+            {
+                "name": "long",
+                "budget": {"max_concurrent": 1},
+                "wait": {"max_wait_s": wait_s, "max_queue": max_queue},
+            },
+        ],
+        "flow": {"place_new_sessions": place, "tenant_header": "x-tenant"},
+        **extra,
+    }
+
+
+def headers(sid: str, tenant: str = "t") -> dict[str, str]:
+    return {
+        ":method": "POST",
+        ":path": CHAT,
+        "content-type": "application/json",
+        "x-session-id": sid,
+        "x-tenant": tenant,
+    }
+
+
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello"}]})
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def make(d: dict[str, Any], redis_url: str | None = None) -> tuple[Pipeline, Any, Any]:
+    runtime = compile_runtime(parse_config(d), overrides=Overrides(redis_url=redis_url))
+    registry = CollectorRegistry()
+    gate = build_gate(runtime, registry, time.monotonic, random.Random(1))
+    await gate.start()
+    return Pipeline(RuntimeHolder(runtime), Metrics(registry), gate), gate, registry
+
+
+@pytest.fixture
+async def memory_pipeline() -> AsyncIterator[Any]:
+    made: list[Any] = []
+
+    async def factory(d: dict[str, Any]) -> tuple[Pipeline, Any, Any]:
+        made.append(await make(d))
+        return made[-1]  # type: ignore[no-any-return]
+
+    yield factory
+    for _pipeline, gate, _registry in made:
+        await gate.close()
+
+
+def session_on(pipeline: Pipeline, cluster: str, prefix: str) -> str:
+    """A session id whose hash primary is ``cluster``."""
+    runtime = pipeline.runtime
+    placer = runtime.policy.placers["long"]
+    for i in range(10_000):
+        sid = f"{prefix}{i}"
+        facts = parse_request(CHAT, headers(sid), BODY, runtime.key_rules, runtime.parse_limits)
+        assert isinstance(facts, RequestFacts)
+        if placer.ranked(facts.session.point)[0] == cluster:
+            return sid
+    raise AssertionError("no session found")
+
+
+async def test_new_session_is_placed_on_next_candidate_and_stays(memory_pipeline: Any) -> None:
+    pipeline, gate, registry = await memory_pipeline(doc(place=True))
+    busy = await pipeline.decide(headers(session_on(pipeline, "c1", "old")), BODY, 1.0)
+    assert isinstance(busy, Routed) and busy.route.placement.primary == "c1"
+    new = session_on(pipeline, "c1", "new")
+    first = await pipeline.decide(headers(new), BODY, 2.0)
+    assert isinstance(first, Routed) and first.kind == "placed"
+    placed_on = first.route.placement.primary
+    assert placed_on != "c1"
+    assert sample(registry, "fleet_flow_placements_total", request_class="long") == 1
+    await pipeline.release(first.hold)
+    await pipeline.release(busy.hold)
+    # Later turns follow the placement although the hash primary has room again.
+    later = await pipeline.decide(headers(new), BODY, 3.0)
+    assert isinstance(later, Routed) and later.route.placement.primary == placed_on
+    assert later.kind == "override"
+    await pipeline.release(later.hold)
+    assert gate.held == 0
+
+
+async def test_existing_session_is_never_moved(memory_pipeline: Any) -> None:
+    pipeline, gate, _registry = await memory_pipeline(doc(place=True))
+    sid = session_on(pipeline, "c1", "s")
+    first = await pipeline.decide(headers(sid), BODY, 1.0)
+    assert isinstance(first, Routed) and first.route.placement.primary == "c1"
+    # Its own next turn while the first still runs: c1 is full, the session is not new.
+    second = await pipeline.decide(headers(sid), BODY, 2.0)
+    assert isinstance(second, Rejected) and second.reject.status == 429
+    assert second.route.placement.primary == "c1"
+    await pipeline.release(first.hold)
+    assert gate.held == 0
+
+
+async def test_waiters_are_woken_by_releases_in_fair_order(memory_pipeline: Any) -> None:
+    pipeline, gate, registry = await memory_pipeline(doc(wait_s=30.0))
+    sid = session_on(pipeline, "c1", "w")
+    first = await pipeline.decide(headers(sid), BODY, 1.0)
+    assert isinstance(first, Routed)
+    order: list[str] = []
+
+    async def waiter(tenant: str) -> Routed:
+        outcome = await pipeline.decide(headers(sid, tenant), BODY, 2.0)
+        assert isinstance(outcome, Routed)
+        order.append(tenant)
+        return outcome
+
+    tasks = [asyncio.create_task(waiter(t)) for t in ("a", "a", "b")]
+    await wait_until(lambda: gate.waiters.depth("c1", "long") == 3)
+    assert sample(registry, "fleet_flow_queue_depth", cluster="c1", request_class="long") == 3
+    hold = first.hold
+    for _ in range(3):
+        await pipeline.release(hold)
+        done, _ = await asyncio.wait(tasks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1
+        finished = done.pop()
+        tasks.remove(finished)
+        hold = finished.result().hold
+        assert gate.held == 1  # never more than the budget
+    await pipeline.release(hold)
+    # FIFO within tenant a, and b (equal weight) is not starved behind a's second request.
+    assert order == ["a", "b", "a"]
+    assert sample(registry, "fleet_flow_waits_total", request_class="long", result="admitted") == 3
+    assert gate.held == 0 and len(gate.waiters) == 0
+
+
+async def test_cancelled_waiter_leaves_at_once_holding_nothing(memory_pipeline: Any) -> None:
+    pipeline, gate, registry = await memory_pipeline(doc(wait_s=30.0))
+    sid = session_on(pipeline, "c1", "x")
+    first = await pipeline.decide(headers(sid), BODY, 1.0)
+    assert isinstance(first, Routed)
+    deferred = await pipeline.decide_deferred(headers(sid), BODY, 2.0)
+    assert isinstance(deferred, Waiting) and deferred.max_wait_s == 30.0
+    task = asyncio.create_task(deferred.resume())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deferred.cancel()  # what the shell's finally does; idempotent
+    assert len(gate.waiters) == 0
+    assert sample(registry, "fleet_flow_waits_total", request_class="long", result="cancelled") == 1
+    await pipeline.release(first.hold)
+    assert gate.held == 0
+    # A Waiting dropped before resume (the stream ended between the two) leaves too.
+    blocker = await pipeline.decide(headers(sid), BODY, 3.0)
+    assert isinstance(blocker, Routed)
+    dropped = await pipeline.decide_deferred(headers(sid), BODY, 4.0)
+    assert isinstance(dropped, Waiting)
+    dropped.cancel()
+    assert len(gate.waiters) == 0
+    await pipeline.release(blocker.hold)
+    assert gate.held == 0
+
+
+async def test_overflow_and_timeout_get_429_with_hints(memory_pipeline: Any) -> None:
+    pipeline, gate, registry = await memory_pipeline(doc(wait_s=1.5, max_queue=1))
+    sid = session_on(pipeline, "c1", "o")
+    first = await pipeline.decide(headers(sid), BODY, 1.0)
+    assert isinstance(first, Routed)
+    queued = asyncio.create_task(pipeline.decide(headers(sid), BODY, 2.0))
+    await wait_until(lambda: gate.waiters.depth("c1", "long") == 1)
+    overflow = await pipeline.decide(headers(sid), BODY, 2.0)
+    assert isinstance(overflow, Rejected) and overflow.reject.status == 429
+    assert "already wait" in overflow.reject.message
+    assert sample(registry, "fleet_flow_waits_total", request_class="long", result="overflow") == 1
+    timed_out = await asyncio.wait_for(queued, timeout=10)
+    assert isinstance(timed_out, Rejected) and timed_out.reject.status == 429
+    assert "waited" in timed_out.reject.message and timed_out.reject.retry_after_s
+    assert sample(registry, "fleet_flow_waits_total", request_class="long", result="timeout") == 1
+    await pipeline.release(first.hold)
+    assert gate.held == 0 and len(gate.waiters) == 0
+
+
+async def test_estimated_wait_beyond_max_is_refused_at_once(memory_pipeline: Any) -> None:
+    pipeline, gate, registry = await memory_pipeline(doc(wait_s=0.5))
+    sid = session_on(pipeline, "c1", "e")
+    # One release just observed: about one release a second, so a wait of ~1 s is expected.
+    warm = await pipeline.decide(headers(sid), BODY, 0.0)
+    assert isinstance(warm, Routed)
+    await pipeline.release(warm.hold)
+    first = await pipeline.decide(headers(sid), BODY, 1.0)
+    assert isinstance(first, Routed)
+    refused = await pipeline.decide(headers(sid), BODY, 2.0)
+    assert isinstance(refused, Rejected) and refused.reject.status == 429
+    assert "estimated wait exceeds" in refused.reject.message
+    assert sample(registry, "fleet_flow_waits_total", request_class="long", result="too_long") == 1
+    await pipeline.release(first.hold)
+    assert gate.held == 0
+
+
+async def wait_until(check: Any) -> None:
+    """Poll ``check`` until true, bounded (10 s: the machine may be loaded)."""
+    async with asyncio.timeout(10.0):
+        while True:
+            if check():
+                return
+            await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as srv:
+        yield srv
+
+
+async def wake_latency(
+    server: RedisServer, poll_ms: int, rounds: int
+) -> tuple[list[float], dict[str, float]]:
+    """Two replicas sharing one Redis ledger: a request waits on B, A releases; the time from
+    A's release to B's admission, per round. ``poll_ms`` large = pub/sub alone."""
+    d = doc(wait_s=30.0)
+    d["flow"]["redis_poll_ms"] = poll_ms
+    d["redis"] = {"timeout_ms": 1000}
+    a, gate_a, _ = await make(d, server.url)
+    b, gate_b, registry_b = await make(d, server.url)
+    sid = session_on(a, "c1", "r")
+    waits: list[float] = []
+    try:
+        for _ in range(rounds):
+            first = await a.decide(headers(sid), BODY, 1.0)
+            assert isinstance(first, Routed) and first.hold.ticket is not None
+            assert first.hold.ticket.store == "redis"
+            waiting = asyncio.create_task(b.decide(headers(sid), BODY, 2.0))
+            await wait_until(lambda: gate_b.waiters.depth("c1", "long") == 1)
+            released = time.monotonic()
+            await a.release(first.hold)
+            admitted = await asyncio.wait_for(waiting, timeout=10)
+            waits.append(time.monotonic() - released)
+            assert isinstance(admitted, Routed) and admitted.hold.ticket is not None
+            await b.release(admitted.hold)
+        counts = {
+            result: sample(registry_b, "fleet_flow_waits_total", request_class="long", result=result)
+            for result in ("admitted", "timeout")
+        }
+        assert gate_a.held == 0 and gate_b.held == 0
+        return waits, counts
+    finally:
+        await gate_a.close()
+        await gate_b.close()
+
+
+async def test_replicas_sharing_redis_wake_waiters_fleet_wide(server: RedisServer) -> None:
+    # Polling every 30 s: any admission within the test's bound came from the release notice.
+    waits, counts = await wake_latency(server, poll_ms=30_000, rounds=5)
+    assert counts == {"admitted": 5, "timeout": 0}
+    assert max(waits) < 5.0, waits  # far below the 30 s poll: woken by pub/sub
