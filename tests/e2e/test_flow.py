@@ -1,0 +1,260 @@
+"""Flow control through a real Envoy, two processor replicas sharing one Redis ledger: place,
+then wait, then refuse (extproc/core/flow.py, ARCHITECTURE.md "Flow control").
+
+The long class admits ONE request per cluster fleet-wide, waits up to 20 s, two waiters per
+replica. Each long request holds its budget ~0.8 s on the simulated cluster. The waiters' Redis
+re-check runs every 30 s only, so a waiter admitted within seconds was woken by a release
+notice, usually published by the other replica. Envoy's message timer is 1 s: every wait of
+several seconds below outlives it, which works only because the processor re-arms the timer
+(override_message_timeout, within the rendered max_message_timeout).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+from extproc.config import Runtime, load_runtime
+from extproc.harness.launch import Client, FleetStack, wait_until
+from tests.e2e.conftest import dump_logs
+from tests.e2e.predict import facts_for
+from tests.support.redis_server import RedisServer
+
+CHAT = "/v1/chat/completions"
+# 20 decode tokens/s: a long request (16 output tokens) holds its budget ~0.8 s.
+SIM_ARGS = ("--time-scale", "1", "--prefill-tps", "1000000", "--decode-tps", "20")
+LONG_OUTPUT = 16
+MAX_WAIT_S = 20.0
+MAX_QUEUE = 2  # per replica
+CLASSES: list[dict[str, Any]] = [
+    {"name": "short", "max_input_tokens": 64, "budget": {"max_concurrent": 64}},
+    {
+        "name": "long",
+        "budget": {"max_concurrent": 1},
+        "wait": {"max_wait_s": MAX_WAIT_S, "max_queue": MAX_QUEUE},
+    },
+]
+LONG_TEXT = "tool output line, long enough to be a long request. " * 12
+
+
+def long_body(tag: str, output: int = LONG_OUTPUT) -> bytes:
+    messages = [{"role": "user", "content": f"{tag}: {LONG_TEXT}"}]
+    return orjson.dumps({"model": "m", "messages": messages, "max_tokens": output})
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    with RedisServer() as redis_server:
+        running = FleetStack(
+            tmp_path_factory.mktemp("flow"),
+            clusters=3,
+            sim_args=SIM_ARGS,
+            processors=2,
+            processor_args=("--seed", "5"),
+            fleet_overrides={
+                "processor": {"message_timeout_ms": 1000},
+                "classes": CLASSES,
+                "redis": {"url": redis_server.url, "replicas": 2, "timeout_ms": 500},
+                "flow": {"place_new_sessions": True, "redis_poll_ms": 30_000},
+            },
+        )
+        with running:
+            yield running
+
+
+def ranked(runtime: Runtime, sid: str) -> list[str]:
+    facts = facts_for(runtime, CHAT, long_body(sid), {"x-session-id": sid})
+    assert facts.input_tokens >= 64  # a long request
+    return runtime.policy.placers["long"].ranked(facts.session.point)
+
+
+def post(stack: FleetStack, sid: str, body: bytes) -> tuple[int, dict[str, str], float]:
+    client = Client(stack.listener_port)
+    started = time.monotonic()
+    try:
+        status, headers, _ = client.post_json(CHAT, body, {"x-session-id": sid})
+        return status, headers, time.monotonic() - started
+    finally:
+        client.close()
+
+
+def metric(stack: FleetStack, name: str, **labels: str) -> float:
+    """Summed over both replicas."""
+    want = tuple(sorted(labels.items()))
+    total = 0.0
+    for i in range(2):
+        for (n, lab), value in stack.processor_metrics(i).items():
+            if n == name and all(kv in lab for kv in want):
+                total += value
+    return total
+
+
+def idle(stack: FleetStack) -> bool:
+    return (
+        metric(stack, "fleet_flow_queue_depth") == 0
+        and metric(stack, "fleet_budget_inflight_requests", request_class="long") == 0
+    )
+
+
+def test_max_message_timeout_is_rendered(stack: FleetStack) -> None:
+    envoy_yaml = stack.envoy_path.read_text()
+    assert "max_message_timeout" in envoy_yaml and "21s" in envoy_yaml
+
+
+def test_burst_within_max_wait_is_served_without_retries(stack: FleetStack) -> None:
+    runtime = load_runtime(stack.fleet_path)
+    sid = "burst-agent"
+    primary = ranked(runtime, sid)[0]
+    # Two turns alone: the session is known (never moved) and releases have been observed.
+    for turn in range(2):
+        status, headers, _ = post(stack, sid, long_body(f"warm {turn}"))
+        assert status == 200 and headers["x-served-by"] == primary, dump_logs(stack)
+    admitted_before = metric(stack, "fleet_flow_waits_total", result="admitted")
+    burst = 1 + 2 * MAX_QUEUE  # one runs, two wait on each replica
+    client = openai.OpenAI(api_key="t", base_url=f"{stack.url}/v1", max_retries=0, timeout=60)
+    shorts: list[float] = []
+
+    def long_call(i: int) -> tuple[int, str, float]:
+        started = time.monotonic()
+        raw = client.chat.completions.with_raw_response.create(
+            model="m",
+            messages=[{"role": "user", "content": f"burst {i}: {LONG_TEXT}"}],
+            max_tokens=LONG_OUTPUT,
+            extra_headers={"x-session-id": sid},
+        )
+        raw.parse()
+        return raw.status_code, raw.headers["x-served-by"], time.monotonic() - started
+
+    def short_call(i: int) -> None:
+        started = time.monotonic()
+        out = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": f"quick {i}"}],
+            max_tokens=2,
+            extra_headers={"x-session-id": f"short-{i}"},
+        )
+        assert out.choices[0].message.content
+        shorts.append(time.monotonic() - started)
+
+    with ThreadPoolExecutor(burst + 8) as pool:
+        longs = [pool.submit(long_call, i) for i in range(burst)]
+        time.sleep(0.2)
+        short_futures = [pool.submit(short_call, i) for i in range(8)]
+        results = [f.result() for f in longs]
+        for f in short_futures:
+            f.result()
+    with client:
+        pass
+    # Every long request served (no client retries: max_retries=0), all on the session's primary
+    # (not the fail-open fallback a fired message timer would give), one after another.
+    assert all(status == 200 for status, _, _ in results), results
+    assert {served for _, served, _ in results} == {primary}, (results, dump_logs(stack))
+    longest = max(took for _, _, took in results)
+    assert longest > 2.0, results  # the last ones waited for several releases (> 1 s timer)
+    assert metric(stack, "fleet_flow_waits_total", result="admitted") - admitted_before >= 3
+    # Short requests never queue behind the burst: each took a fraction of the burst's span.
+    assert len(shorts) == 8 and max(shorts) < longest / 2, (shorts, longest)
+    print(f"burst: longest {longest:.2f}s; short max {max(shorts):.3f}s")
+    wait_until(lambda: idle(stack), 10, "queues empty and budget released")
+
+
+def test_burst_beyond_max_queue_gets_immediate_429s_with_honest_hints(stack: FleetStack) -> None:
+    runtime = load_runtime(stack.fleet_path)
+    sid = "burst-agent"  # known session, releases observed by the previous test
+    ranked(runtime, sid)
+    burst = 10
+    with ThreadPoolExecutor(burst) as pool:
+        started = time.monotonic()
+        futures = [pool.submit(post, stack, sid, long_body(f"over {i}")) for i in range(burst)]
+        results = [f.result() for f in futures]
+    drained = time.monotonic() - started  # the last admitted request's end: budget free again
+    statuses = Counter(status for status, _, _ in results)
+    assert statuses[200] <= 1 + 2 * MAX_QUEUE and statuses[429] >= burst - 1 - 2 * MAX_QUEUE
+    assert statuses[200] + statuses[429] == burst, statuses
+    refused = [(h, took) for status, h, took in results if status == 429]
+    for headers, took in refused:
+        assert took < 1.0, took  # at once, not after waiting
+        hint = int(headers["retry-after"])
+        actual = drained - took  # from the 429 until the budget had freed for it
+        assert actual / 2 <= hint <= 2 * actual, (hint, actual, headers)
+    print(
+        f"429 hints {[int(h['retry-after']) for h, _ in refused]}; budget free after {drained:.2f}s"
+    )
+    wait_until(lambda: idle(stack), 10, "queues empty and budget released")
+
+
+def test_new_session_on_full_primary_lands_on_next_candidate_and_stays(stack: FleetStack) -> None:
+    runtime = load_runtime(stack.fleet_path)
+    holder = "holder-agent"
+    full = ranked(runtime, holder)[0]
+    fresh = next(f"fresh-{i}" for i in range(2000) if ranked(runtime, f"fresh-{i}")[0] == full)
+    expected = ranked(runtime, fresh)[1]
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(post, stack, holder, long_body("hold", output=60))  # ~3 s
+        wait_until(
+            lambda: metric(stack, "fleet_budget_inflight_requests", cluster=full) == 1,
+            10,
+            "the holder admitted",
+        )
+        status, headers, took = post(stack, fresh, long_body("fresh turn 0"))
+        assert status == 200 and headers["x-served-by"] == expected, (headers, dump_logs(stack))
+        assert took < 2.0  # placed at once, not queued behind the holder
+        assert running.result()[0] == 200
+    # The primary is free again; later turns still follow the placement (their cache is there).
+    for turn in (1, 2):
+        status, headers, _ = post(stack, fresh, long_body(f"fresh turn {turn}"))
+        assert status == 200 and headers["x-served-by"] == expected
+    assert metric(stack, "fleet_flow_placements_total", request_class="long") >= 1
+    wait_until(lambda: idle(stack), 10, "queues empty and budget released")
+
+
+def test_clients_leaving_the_queue_leave_nothing_held(stack: FleetStack) -> None:
+    runtime = load_runtime(stack.fleet_path)
+    sid = "leaver-agent"
+    full = ranked(runtime, sid)[0]
+    cancelled_before = metric(stack, "fleet_flow_waits_total", result="cancelled")
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(post, stack, sid, long_body("hold", output=80))  # ~4 s
+        wait_until(
+            lambda: metric(stack, "fleet_budget_inflight_requests", cluster=full) == 1,
+            10,
+            "the holder admitted",
+        )
+        # Two more turns join the queue (MAX_QUEUE per replica: fits even if both streams go to
+        # the same replica); their clients hang up while waiting.
+        socks = []
+        body = long_body("leaver")
+        for _ in range(2):
+            sock = socket.create_connection(("127.0.0.1", stack.listener_port), timeout=5)
+            head = (
+                f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"x-session-id: {sid}\r\ncontent-length: {len(body)}\r\n\r\n"
+            )
+            sock.sendall(head.encode() + body)
+            socks.append(sock)
+        wait_until(
+            lambda: metric(stack, "fleet_flow_queue_depth", cluster=full) == 2,
+            10,
+            "two waiters queued",
+        )
+        for sock in socks:
+            sock.close()
+        wait_until(
+            lambda: metric(stack, "fleet_flow_queue_depth", cluster=full) == 0,
+            10,
+            "the waiters gone",
+        )
+        # Left while the holder still runs: nothing was ever taken for them.
+        assert not running.done()
+        assert metric(stack, "fleet_budget_inflight_requests", cluster=full) == 1
+        assert metric(stack, "fleet_flow_waits_total", result="cancelled") - cancelled_before == 2
+        assert running.result()[0] == 200
+    wait_until(lambda: idle(stack), 10, "budget released")
