@@ -267,7 +267,9 @@ async def wake_latency(
             assert isinstance(admitted, Routed) and admitted.hold.ticket is not None
             await b.release(admitted.hold)
         counts = {
-            result: sample(registry_b, "fleet_flow_waits_total", request_class="long", result=result)
+            result: sample(
+                registry_b, "fleet_flow_waits_total", request_class="long", result=result
+            )
             for result in ("admitted", "timeout")
         }
         assert gate_a.held == 0 and gate_b.held == 0
