@@ -48,6 +48,7 @@ from extproc.core.admission import (
     Reject,
     Ticket,
     Usage,
+    bounded_wait,
     plan,
     queued_wait,
     request_tokens,
@@ -56,7 +57,7 @@ from extproc.core.admission import (
 )
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
-from extproc.core.fleet import Budget
+from extproc.core.fleet import Budget, RequestClass
 from extproc.core.flow import QueueVerdict, WaitPolicy, queue_decision
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.memory import MemoryLedger
@@ -284,6 +285,31 @@ class AdmissionGate:
 
     def count_reject(self, reject: Reject) -> None:
         self._count_reject(reject)
+
+    async def flow_preview(
+        self, cluster: str, request_class: RequestClass, tokens: int
+    ) -> dict[str, object]:
+        """What flow control would do with a request of ``tokens`` on (cluster, class) now:
+        ``admit``, ``wait`` (with the estimated wait), or refuse (``too_long``, ``overflow``,
+        ``no_wait``: the class does not wait); reserves nothing (for ``explain``)."""
+        budget = request_class.budget
+        policy = request_class.wait
+        queued, queued_tokens = self.waiters.ahead(cluster, request_class.name)
+        out: dict[str, object] = {
+            "queued": queued,
+            "max_wait_s": policy.max_wait_s,
+            "max_queue": policy.max_queue,
+        }
+        if not budget.enforced:
+            return {**out, "would": "admit", "estimated_wait_s": 0.0}
+        demand = Demand(cluster, request_class.name, tokens, budget, Limits.of(budget))
+        answer = await self.peek(demand)
+        estimate = queued_wait(demand, answer, queued, queued_tokens)
+        if not queued and queued_wait(demand, answer) == 0:
+            would = "admit"
+        else:
+            would = queue_decision(policy, queued, estimate).value
+        return {**out, "would": would, "estimated_wait_s": round(bounded_wait(estimate), 3)}
 
     @property
     def metrics(self) -> LedgerMetrics:

@@ -49,6 +49,12 @@ def explain_outcome(runtime: Runtime, outcome: Outcome) -> dict[str, object]:
             "burst_tokens": budget.burst_tokens,
             "enforced": budget.enforced,
         },
+        # Flow control (extproc/core/flow.py): how long an over-budget request may wait.
+        "wait_per_cluster": {
+            "max_wait_s": cls.wait.max_wait_s,
+            "max_queue": cls.wait.max_queue,
+            "enabled": cls.wait.enabled,
+        },
     }
     if isinstance(outcome, Routed):
         if outcome.endpoints is not None:

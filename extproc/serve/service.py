@@ -37,6 +37,7 @@ from extproc.config.drain import drain_times
 from extproc.config.label_secret import LabelSecret, warn_if_per_process
 from extproc.config.load import runtime_from_bytes
 from extproc.config.runtime import Overrides, with_sketch
+from extproc.core.admission import request_tokens
 from extproc.core.chains import ChainSketch
 from extproc.ledger.gate import AdmissionGate, build_gate, workers_problem
 from extproc.logs import setup_logging
@@ -48,6 +49,7 @@ from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.engine_scraper import EngineScraper, ScrapeMetrics, plan_of
 from extproc.pipeline.explain import explain_outcome, request_headers
 from extproc.pipeline.fleet_state import FleetState, RedisSessions
+from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import FleetProcessor
 from extproc.protocol.xds import ClusterDiscovery
@@ -205,6 +207,10 @@ class Service:
             result["ledger"] = self.gate.mode
             result["budget_usage_on_primary"] = await self.gate.usage(
                 str(result["primary"]), cls.name, cls.budget
+            )
+            assert isinstance(outcome, Routed)
+            result["flow_on_primary"] = await self.gate.flow_preview(
+                str(result["primary"]), cls, request_tokens(outcome.facts)
             )
         return result
 

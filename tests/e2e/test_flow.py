@@ -23,6 +23,7 @@ import orjson
 import pytest
 
 from extproc.config import Runtime, load_runtime
+from extproc.explain import explain_remote
 from extproc.harness.launch import Client, FleetStack, wait_until
 from tests.e2e.conftest import dump_logs
 from tests.e2e.predict import facts_for
@@ -245,6 +246,12 @@ def test_clients_leaving_the_queue_leave_nothing_held(stack: FleetStack) -> None
             10,
             "two waiters queued",
         )
+        # explain, on a replica's live state: the next turn would wait (or overflow) here.
+        admin = f"http://127.0.0.1:{stack.metrics_ports[0]}"
+        shown = explain_remote(admin, CHAT, {"x-session-id": sid}, body)
+        flow = shown["flow_on_primary"]
+        assert isinstance(flow, dict) and shown["primary"] == full, shown
+        assert flow["would"] in {"wait", "overflow"} and flow["estimated_wait_s"] > 0, flow
         for sock in socks:
             sock.close()
         wait_until(
