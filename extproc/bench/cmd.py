@@ -13,6 +13,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "deps": ("extproc.bench.deps", "the dependency choices: protobuf libraries, aioredis"),
     "skew": ("extproc.bench.skew", "hot prefixes + a slow cluster: pure hashing vs load-aware"),
     "layouts": ("extproc.bench.layouts", "a shared opening in each position: old vs chain key"),
+    "wake": ("extproc.bench.wake", "waiters woken by releases: memory, Redis pub/sub, polling"),
 }
 
 

@@ -85,6 +85,7 @@ class Runtime:
     flow: FlowParams = field(default_factory=FlowParams)
     # With Redis: the head waiter's re-check period when no release notice arrives.
     flow_redis_poll_s: float = 0.5
+    flow_redis_notices: bool = True
 
     @property
     def cluster_names(self) -> tuple[str, ...]:
@@ -184,6 +185,7 @@ def compile_runtime(
             tier_weights=MappingProxyType(dict(cfg.flow.tier_weights)),
         ),
         flow_redis_poll_s=cfg.flow.redis_poll_ms / 1000,
+        flow_redis_notices=cfg.flow.redis_notices,
     )
 
 

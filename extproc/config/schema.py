@@ -205,6 +205,9 @@ class FlowConfig(Strict):
     # With Redis: how often the head waiter re-checks the shared ledger if no release
     # notice (pub/sub) arrived, covering lost notices and lapsed leases.
     redis_poll_ms: int = Field(default=500, ge=10)
+    # With Redis: wake waiters by the release notices release.lua publishes (pub/sub); off,
+    # they re-check every redis_poll_ms only (`extproc bench wake` compares the two).
+    redis_notices: bool = True
 
 
 class RedisConfig(Strict):

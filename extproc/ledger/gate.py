@@ -131,8 +131,10 @@ class AdmissionGate:
         probe_interval_s: float = 1.0,
         renew_interval_s: float | None = None,
         health: RedisHealth | None = None,
+        release_notices: bool = True,
     ) -> None:
         self._local = local
+        self._release_notices = release_notices
         self._shared = shared
         self._m = metrics
         self._clock = clock
@@ -674,6 +676,7 @@ class AdmissionGate:
             except LedgerUnavailable as exc:
                 self._redis_failed("load", exc)
             self._renewer = asyncio.create_task(self._renew_loop(), name="ledger-renew")
+        if self._shared is not None and self._release_notices:
             subscribed = asyncio.Event()
             self._wakeups = asyncio.create_task(
                 listen_for_releases(
@@ -778,6 +781,7 @@ def build_gate(
         replicas=cfg.replicas,
         probe_interval_s=probe_interval_s,
         health=health,
+        release_notices=runtime.flow_redis_notices,
     )
     gate.publish_limits(runtime)
     return gate
