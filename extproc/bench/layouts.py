@@ -114,11 +114,12 @@ def run_setup(
     clusters: int,
     speedup: float,
     workdir: Path,
+    nested_share: float = 0.4,
 ) -> ReplayResult:
     mode: Mode = "extproc" if setup in ("opening", "chain") else setup  # type: ignore[assignment]
     overrides: dict[str, Any] = {}
     if mode == "extproc":
-        overrides = {"prefix": {"key": setup}}
+        overrides = {"prefix": {"key": setup, "nested_share": nested_share}}
     if setup == "ring_hash":
         requests = [dataclasses.replace(r, send_session_header=True) for r in requests]
     stack = FleetStack(
@@ -139,7 +140,12 @@ def run_setup(
 
 
 def run_layout(
-    layout: str, config: LayoutConfig, clusters: int, speedup: float, workdir: Path
+    layout: str,
+    config: LayoutConfig,
+    clusters: int,
+    speedup: float,
+    workdir: Path,
+    nested_share: float = 0.4,
 ) -> tuple[float, list[Row]]:
     requests = generate_layout(dataclasses.replace(config, layout=layout))
     ideal = blocks_ideal(prompt_blocks(requests))
@@ -147,7 +153,9 @@ def run_layout(
     for setup in SETUPS:
         started = time.monotonic()
         try:
-            result = run_setup(setup, requests, clusters, speedup, workdir / f"{layout}-{setup}")
+            result = run_setup(
+                setup, requests, clusters, speedup, workdir / f"{layout}-{setup}", nested_share
+            )
         except (TimeoutError, RuntimeError) as exc:
             # A stack that would not start on a loaded machine: reported, not fatal.
             print(f"{layout}/{setup}: not measured ({exc})", flush=True)
@@ -267,6 +275,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "radix tree per cluster (sgl-router cache_aware), same requests (extproc.bench.radix)",
     )
     parser.add_argument(
+        "--nested-share",
+        type=float,
+        default=0.4,
+        help="the chain key's prefix.nested_share (how hot a document must be to be spread)",
+    )
+    parser.add_argument(
         "--parse-only",
         action="store_true",
         help="no Envoy: the CPU cost of parsing + keying each layout, old key vs chain key",
@@ -286,13 +300,15 @@ def run(args: argparse.Namespace) -> int:
     if args.offline:
         from extproc.bench.radix import offline_table
 
-        print(offline_table(layouts, config, args.clusters))
+        print(offline_table(layouts, config, args.clusters, args.nested_share))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Mapping[str, Any]] = {}
     for layout in layouts:
-        ideal, rows = run_layout(layout, config, args.clusters, args.speedup, out)
+        ideal, rows = run_layout(
+            layout, config, args.clusters, args.speedup, out, args.nested_share
+        )
         n = args.conversations * args.turns
         requests = generate_layout(dataclasses.replace(config, layout=layout))
         floor = hash_floor(requests, args.clusters)

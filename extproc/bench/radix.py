@@ -177,14 +177,17 @@ def _judge(
     )
 
 
-def compare(requests: Sequence[ReplayRequest], clusters: int) -> list[OfflineRow]:
+def compare(
+    requests: Sequence[ReplayRequest], clusters: int, nested_share: float = 0.4
+) -> list[OfflineRow]:
     """The chain key, the old opening key, per-conversation hashing and the radix router on the
-    same requests in arrival order."""
+    same requests in arrival order. ``nested_share``: the chain key's prefix.nested_share."""
     names = [f"c{i}" for i in range(1, clusters + 1)]
     placer = Rendezvous.of([(n, 1.0) for n in names])
     rows = []
+    chain = ChainParams(clusters=clusters, nested_share=nested_share)
     for key in ("chain", "opening"):
-        rules = KeyRules(prefix_key=key, sketch=ChainSketch(ChainParams(clusters=clusters)))
+        rules = KeyRules(prefix_key=key, sketch=ChainSketch(chain))
         placed = []
         for request in requests:
             body = orjson.dumps(request.materialize())
@@ -208,14 +211,16 @@ def compare(requests: Sequence[ReplayRequest], clusters: int) -> list[OfflineRow
     return rows
 
 
-def offline_table(layouts: Sequence[str], config: LayoutConfig, clusters: int) -> str:
+def offline_table(
+    layouts: Sequence[str], config: LayoutConfig, clusters: int, nested_share: float = 0.4
+) -> str:
     lines = [
         "| layout | router | hit ÷ ideal | max/mean | later turns on first cluster |",
         "|---|---|---|---|---|",
     ]
     for layout in layouts:
         requests = generate_layout(dataclasses.replace(config, layout=layout))
-        for row in compare(requests, clusters):
+        for row in compare(requests, clusters, nested_share):
             lines.append(
                 f"| {layout} | {row.router} | {row.hit_vs_ideal:.3f} | {row.max_mean:.3f} | "
                 f"{row.later_on_first:.3f} |"
