@@ -80,30 +80,33 @@ def _response_id(doc: Mapping[str, object]) -> str | None:
     return rid if doc.get("object") == "response" and isinstance(rid, str) and rid else None
 
 
-def response_id_from_body(body: bytes) -> str | None:
-    """The id of a whole (non-streaming) Responses API response; None for anything else (an
-    error body, a truncated one)."""
-    if b'"response"' not in body:
+def _object_mentioning(body: bytes, word: bytes) -> Mapping[str, object] | None:
+    """The body as a JSON object, if it mentions ``word`` at all (a byte search first: most
+    bodies that lack it are never decoded)."""
+    if word not in body:
         return None
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    return _response_id(doc) if isinstance(doc, Mapping) else None
+    return doc if isinstance(doc, Mapping) else None
+
+
+def response_id_from_body(body: bytes) -> str | None:
+    """The id of a whole (non-streaming) Responses API response; None for anything else (an
+    error body, a truncated one)."""
+    doc = _object_mentioning(body, b'"response"')
+    return _response_id(doc) if doc is not None else None
 
 
 def usage_from_body(api: Api, body: bytes) -> Usage | None:
     """Usage of a whole (non-streaming) response body; None when it carries none."""
-    if b'"usage"' not in body:
+    doc = _object_mentioning(body, b'"usage"')
+    if doc is None:
         return None
-    try:
-        doc = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(doc, Mapping):
-        return None
-    if api is Api.OPENAI_RESPONSES and isinstance(doc.get("response"), Mapping):
-        doc = doc["response"]
+    inner = doc.get("response")
+    if api is Api.OPENAI_RESPONSES and isinstance(inner, Mapping):
+        doc = inner
     return usage_of(api, doc.get("usage")) if "usage" in doc else None
 
 
