@@ -187,6 +187,9 @@ def _pd_problems(cfg: FleetConfig) -> list[str]:
                     f"clusters[{i}].topology.{key}: not a topology level (topology.levels: "
                     f"{levels or 'none'})"
                 )
+    group = cfg.disaggregation.group_level
+    if group is not None and group not in levels:
+        problems.append(f"disaggregation.group_level: {group!r} is not a topology level")
     if all(role == "prefill" for role in roles.values()):
         problems.append("clusters: every cluster is prefill-only; at least one must decode")
     prefill = [n for n, r in roles.items() if r == "prefill"]

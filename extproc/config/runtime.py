@@ -236,7 +236,15 @@ def pd_plan(cfg: FleetConfig, classes: tuple[RequestClass, ...]) -> PdPlan | Non
     d = cfg.disaggregation
     return PdPlan(
         topology=topology,
-        params=PrefillParams(d.saturation_factor, d.min_inflight, d.cross_island),
+        params=PrefillParams(
+            d.saturation_factor,
+            d.min_inflight,
+            d.cross_island,
+            d.topology_aware,
+            topology.levels.index(d.group_level)
+            if d.group_level in topology.levels
+            else max(0, len(topology.levels) - 1),
+        ),
         cluster_labels=MappingProxyType(labels),
         pools=MappingProxyType(pools),
         prefill_classes=MappingProxyType(budgets),

@@ -309,12 +309,20 @@ class DisaggregationConfig(Strict):
     benchmarks and ``explain`` use to cost the transfer. The pair is signalled with llm-d's
     ``x-prefiller-host-port`` request header, read by the decode-side routing sidecar."""
 
-    # A hashed prefill endpoint with more prefills in flight than this factor x its group's
-    # mean (and at least min_inflight) yields to the least loaded one of the group.
+    # A hashed prefill endpoint with at least min_inflight prefills in flight, and more than
+    # this factor x the mean over the prefill endpoints of the decode target's island, yields
+    # to the least loaded of them (prefill is compute-bound: one in flight is a queue).
     saturation_factor: float = Field(default=1.25, gt=1)
-    min_inflight: int = Field(default=4, ge=1)
+    min_inflight: int = Field(default=1, ge=1)
     # Off: no ready prefiller in any level shared with the decode target -> colocated prefill.
     cross_island: bool = True
+    # The topology level whose narrower levels are pooled with it into one candidate group
+    # (extproc.core.pd); None: the widest level (the island). The narrowest level keeps every
+    # level apart.
+    group_level: TopologyKey | None = None
+    # Off: the prefill endpoint is chosen by prefix affinity and load over the whole pool,
+    # ignoring topology (the topology-blind baseline of `extproc bench pd`).
+    topology_aware: bool = True
     # KV bytes per prompt token: 80 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes for a
     # 70B GQA model in fp16 (1.34 GB at 4,096 tokens).
     kv_bytes_per_token: int = Field(default=327_680, gt=0)

@@ -7,16 +7,23 @@ across requests apart from its prefix cache, so the prefill endpoint is chosen p
 
 1. **Topology first.** The prompt's KV cache (1.5-2 GB for a 70B GQA model at 4k tokens) must
    reach the decode target inside the TTFT budget, which only holds on a fast link. Candidates
-   are grouped by the narrowest topology level they share with the decode target (the levels
-   are configured narrowest first, e.g. ``nvlink`` then ``island``); the group sharing the
-   narrowest level is tried first, then the next, and endpoints sharing no level at all come
-   last (``cross``) unless cross-island prefill is switched off.
+   are grouped by the narrowest topology level they share with the decode target (levels are
+   configured narrowest first, e.g. ``nvlink`` then ``island``), with every level up to the
+   pooling level (``group_level``, by default the widest: the island) pooled into one group:
+   the decode target's island is tried first, then wider levels, and endpoints sharing no
+   level at all come last (``cross``) unless cross-island prefill is switched off.
 2. **Prefix affinity within a group.** Prefill endpoints keep prefix caches too: rendezvous
    hashing of the request's key point over the group's endpoints sends the same prefix to the
-   same prefiller while the group is unchanged.
-3. **Load within a group.** A hashed choice that is saturated (more prefills in flight than
-   ``saturation_factor`` x the group's mean, and at least ``min_inflight``) yields to the least
-   loaded endpoint of the group: a hot prefix must not queue behind itself.
+   same prefiller while the group is unchanged. (Pooling the island instead of the NVLink
+   domain: a one-prefiller domain would queue all of its decode target's prefills on it while
+   the island's other prefillers idle; ``extproc bench pd`` shows both.)
+3. **Load within the island.** Prefill is compute-bound: a prefiller with prefills in flight
+   queues the next one behind them, which costs more than moving the KV over the island's
+   fabric (a 16k-token prefill is ~0.8 s at 20k tokens/s; its 5 GB of KV cross a 50 GB/s IB
+   link in ~0.1 s). So a hashed choice that is saturated (at least ``min_inflight`` prefills
+   in flight and more than ``saturation_factor`` x the mean over the candidates that share the
+   island with the decode target) yields to the least loaded of those, narrowest level first
+   on equal load. It never leaves the island for load: crossing islands is only a fallback.
 4. **Fallback.** Endpoints the shell knows are not ready are skipped. With no candidate left the
    choice is ``None``: the decode target prefills the request itself (colocated), which is what
    the decode-side sidecar does when no prefiller is named.
@@ -90,10 +97,14 @@ class PrefillEndpoint:
 @dataclass(frozen=True, slots=True)
 class PrefillParams:
     saturation_factor: float = 1.25
-    min_inflight: int = 4
+    min_inflight: int = 1
     # Off: a request whose decode target's islands have no ready prefiller prefills colocated
     # rather than moving its KV over the slowest link.
     cross_island: bool = True
+    # Off: one group for the whole pool (topology still reported in the choice's relation).
+    topology_aware: bool = True
+    # Levels below this index are pooled into it (0: every level its own group).
+    pool_tier: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +145,7 @@ def choose_prefill(
         tier = topology.relation(decode_labels, ep.labels)
         if tier == len(topology.levels) and not params.cross_island:
             continue
-        groups.setdefault(tier, []).append(ep)
+        groups.setdefault(_group(tier, topology, params), []).append(ep)
     if not groups:
         return PrefillChoice(None, COLOCATED, "none")
     first = min(groups)
@@ -142,17 +153,38 @@ def choose_prefill(
     hashed = max(group, key=lambda ep: mix64(point ^ ep.seed))
     reason = "affinity"
     load = inflight.get(hashed.address, 0)
-    if len(group) > 1 and load >= params.min_inflight:
-        mean = sum(inflight.get(ep.address, 0) for ep in group) / len(group)
-        if load > params.saturation_factor * mean:
-            # Least loaded; ties go to the hash order so equal loads still follow the prefix.
-            hashed = min(
-                group, key=lambda ep: (inflight.get(ep.address, 0), -mix64(point ^ ep.seed))
+    if load >= params.min_inflight:
+        # The candidates sharing the island (every group but cross), or the group itself when
+        # only cross-island candidates are left.
+        island = len(topology.levels)
+        near = [(t, ep) for t, eps in groups.items() if t < island or t == first for ep in eps]
+        mean = sum(inflight.get(ep.address, 0) for _, ep in near) / len(near)
+        if len(near) > 1 and load > params.saturation_factor * mean:
+            # Least loaded, narrowest level first, then the hash order so that equal loads
+            # still follow the prefix.
+            first, hashed = min(
+                near,
+                key=lambda te: (
+                    inflight.get(te[1].address, 0),
+                    te[0],
+                    -mix64(point ^ te[1].seed),
+                ),
             )
             reason = "load"
-    if first > min(topology.relation(decode_labels, ep.labels) for ep in pool):
+    best = min(_group(topology.relation(decode_labels, e.labels), topology, params) for e in pool)
+    if reason == "affinity" and first > best:
         reason = "fallback"
-    return PrefillChoice(hashed, topology.relation_name(first), reason, first)
+    tier = topology.relation(decode_labels, hashed.labels)
+    return PrefillChoice(hashed, topology.relation_name(tier), reason, tier)
+
+
+def _group(tier: int, topology: Topology, params: PrefillParams) -> int:
+    """The candidate group of an endpoint at relation ``tier`` (lower is tried first)."""
+    if not params.topology_aware:
+        return 0
+    if tier < len(topology.levels):
+        return max(tier, params.pool_tier)
+    return tier
 
 
 @dataclass(frozen=True, slots=True)

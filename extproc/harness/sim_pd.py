@@ -30,10 +30,11 @@ answer carries ``kv_transfer_params`` for the decode side (``do_remote_prefill: 
 sidecar dialled (a real vLLM names its NIXL side channel there).
 
 The response names both servers: ``x-served-by`` (decode) and ``x-prefilled-by``; the
-simulated timings ``x-sim-prefill-ms`` (the prefill round trip), ``x-sim-transfer-ms`` and
-``x-sim-ttft-ms`` (from the decode side's arrival: prefill + transfer + first token) expose
-the plan to benchmarks. The topology comes from the fleet.yaml the processor reads
-(``--fleet``): each cluster's role and labels, the levels' bandwidths, KV bytes per token.
+simulated timings ``x-sim-prefill-ms`` (the prefiller's own simulated TTFT: queue + compute),
+``x-sim-transfer-ms`` and ``x-sim-ttft-ms`` (prefill + transfer + waiting for a decode slot)
+expose the plan to benchmarks, in simulated time. The topology comes from the fleet.yaml the
+processor reads (``--fleet``): each cluster's role and labels, the levels' bandwidths, KV
+bytes per token.
 """
 
 from __future__ import annotations
@@ -198,7 +199,6 @@ class PdSimCluster(SimCluster):
     async def _disaggregated(
         self, request: web.Request, api: ApiKind, body: dict[str, Any], prefiller: str
     ) -> web.StreamResponse:
-        arrival = self._clock()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
         headers["x-request-id"] = str(uuid.uuid4())
         if self._client is None:
@@ -211,6 +211,9 @@ class PdSimCluster(SimCluster):
             ) as answer:
                 status, data = answer.status, await answer.read()
                 prefilled_by = answer.headers.get("x-served-by", prefiller)
+                # The prefiller's own simulated TTFT (queue + compute): the prefill leg in
+                # simulated time, free of this machine's HTTP overhead.
+                prefill_ms = float(answer.headers.get(SIM_TTFT_HEADER, "0") or 0)
         except (aiohttp.ClientError, OSError):
             # Go's httputil.ReverseProxy answers a dial/transport error with an empty 502.
             self.metrics.requests.labels(api=api, code="prefill_unreachable").inc()
@@ -234,12 +237,14 @@ class PdSimCluster(SimCluster):
         )
         self._record(parsed, plan, self.model.cache.evictions - evictions_before)
         scale = self.config.params.time_scale
+        decode_ms = (plan.first_token_at - prefill_done) / scale * 1000.0
         extra = {
             PREFILLED_BY: prefilled_by,
-            SIM_PREFILL_HEADER: f"{(prefill_done - arrival) / scale * 1000.0:.3f}",
+            SIM_PREFILL_HEADER: f"{prefill_ms:.3f}",
             SIM_TRANSFER_HEADER: f"{plan.uncached_tokens * per_token * 1000.0:.3f}",
             SIM_RELATION_HEADER: self.pd.topology.relation_name(tier),
-            SIM_TTFT_HEADER: f"{(plan.first_token_at - arrival) / scale * 1000.0:.3f}",
+            # Prefill leg + transfer + waiting for a decode slot, all in simulated time.
+            SIM_TTFT_HEADER: f"{prefill_ms + decode_ms:.3f}",
         }
         request_id = next(self._ids)
         if parsed.stream:

@@ -2,7 +2,8 @@
 llm-d's x-prefiller-host-port, the simulated decode clusters run the sidecar's prefill round
 trip against the simulated prefill clusters (extproc.harness.sim_pd).
 
-Two islands, each one decode cluster and two prefill clusters on different NVLink domains:
+Two islands, each one decode cluster and two prefill clusters on different NVLink domains
+(the processor pools an island's prefillers: disaggregation.group_level defaults to the island):
 
     ib-1: c1 decode (nvl-a)   c3 prefill (nvl-a)   c4 prefill (nvl-b)
     ib-2: c2 decode (nvl-c)   c5 prefill (nvl-c)   c6 prefill (nvl-d)
@@ -40,7 +41,6 @@ LAYOUT = {
 DETECTION_S = 4.0
 ISLAND = {name: island for name, (_, _, island) in LAYOUT.items()}
 NVLINK_PEER = {"c1": "c3", "c2": "c5"}
-ISLAND_PEER = {"c1": "c4", "c2": "c6"}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,7 @@ def test_decode_keeps_affinity_across_turns_and_prefill_stays_in_the_nvlink_doma
     runtime = load_runtime(pd_fleet.fleet_path)
     client = make_client(pd_fleet.listener_port)
     seen: collections.Counter[tuple[str, str, str]] = collections.Counter()
+    prefillers: dict[str, set[str]] = collections.defaultdict(set)
     transfers: dict[int, list[float]] = {0: [], 2: []}
     for i in range(8):
         sid = f"affinity-{i}"
@@ -112,11 +113,19 @@ def test_decode_keeps_affinity_across_turns_and_prefill_stays_in_the_nvlink_doma
             assert status == 200, (status, data[:300], dump_logs(pd_fleet))
             assert hdrs["x-served-by"] == primary
             seen[(hdrs["x-served-by"], hdrs[PREFILLED_BY], hdrs[SIM_RELATION_HEADER])] += 1
+            prefillers[sid].add(hdrs[PREFILLED_BY])
             if turn in transfers:
                 transfers[turn].append(float(hdrs[SIM_TRANSFER_HEADER]))
     assert {decode for decode, _, _ in seen} == {"c1", "c2"}
+    # Prefill in the decode target's island (pooled over its NVLink domains), the same
+    # prefiller for every turn of a session (its prefix cache), and both of an island's
+    # prefillers in use across sessions.
     for decode, prefill, relation in seen:
-        assert (prefill, relation) == (NVLINK_PEER[decode], "nvlink"), seen
+        assert ISLAND[prefill] == ISLAND[decode], seen
+        expected = "nvlink" if NVLINK_PEER[decode] == prefill else "island"
+        assert relation == expected, seen
+    assert all(len(p) == 1 for p in prefillers.values()), prefillers
+    assert {p for _, p, _ in seen} == {"c3", "c4", "c5", "c6"}, seen
     # Later turns find the earlier ones' KV on their decode cluster: less to transfer.
     assert sum(transfers[2]) < sum(transfers[0])
     # Short requests are not disaggregated: decode prefills them itself.
@@ -145,8 +154,10 @@ def _inflight(stack: FleetStack, cluster: str) -> int:
 def test_the_prefill_budget_answers_429_with_hints_and_leaves_decode_alone(
     pd_fleet: FleetStack, make_client: MakeClient
 ) -> None:
-    held = sessions_on(pd_fleet, "c1", 4)
-    _admin(pd_fleet, "c3", {"mode": "hang"})
+    held = sessions_on(pd_fleet, "c1", 5)
+    island = ("c3", "c4")  # c1's island: its prefills spread over both under load
+    for name in island:
+        _admin(pd_fleet, name, {"mode": "hang"})
     results: list[int] = []
 
     def hold(sid: str) -> None:
@@ -154,14 +165,16 @@ def test_the_prefill_budget_answers_429_with_hints_and_leaves_decode_alone(
         status, _, _ = client.post_json(CHAT, body(long_text(sid)), {"x-session-id": sid})
         results.append(status)
 
-    threads = [threading.Thread(target=hold, args=(sid,)) for sid in held[:2]]
+    threads = [threading.Thread(target=hold, args=(sid,)) for sid in held[:4]]
     try:
         for t in threads:
             t.start()
-        # Both hanging prefills hold c3's prefill budget (max_concurrent 2).
-        wait_until(lambda: _inflight(pd_fleet, "c3") == 2, 20, "two prefills hanging on c3")
+        # Four hanging prefills hold both prefill clusters' budgets (max_concurrent 2 each).
+        wait_until(
+            lambda: sum(_inflight(pd_fleet, n) for n in island) == 4, 20, "four prefills hang"
+        )
         client = make_client(pd_fleet.listener_port)
-        sid = held[2]
+        sid = held[4]
         status, hdrs, data = client.post_json(CHAT, body(long_text(sid)), {"x-session-id": sid})
         assert status == 429, (status, data[:300])
         assert int(hdrs["retry-after"]) >= 1
@@ -171,10 +184,11 @@ def test_the_prefill_budget_answers_429_with_hints_and_leaves_decode_alone(
             status, hdrs, _ = client.post_json(CHAT, body("hi"), {"x-session-id": f"s-{i}"})
             assert status == 200
     finally:
-        _admin(pd_fleet, "c3", {"mode": "none"})
+        for name in island:
+            _admin(pd_fleet, name, {"mode": "none"})
         for t in threads:
             t.join(30)
-    assert results == [200, 200]
+    assert results == [200] * 4
 
 
 def test_a_prefill_endpoint_killed_under_load(
@@ -246,7 +260,7 @@ def test_a_decode_cluster_killed_moves_its_sessions_to_the_secondary(
     pd_fleet.sims["c2"].kill()
     relations: list[str] = []
     deadline = time.monotonic() + 30
-    while len(relations) < 10 or relations[-1] != "nvlink":
+    while len(relations) < 10 or relations[-1] == "cross":
         assert time.monotonic() < deadline, relations
         turn = len(relations)
         status, hdrs, data = client.post_json(CHAT, body(long_text(sid, turn % 3)), headers)
@@ -255,7 +269,7 @@ def test_a_decode_cluster_killed_moves_its_sessions_to_the_secondary(
         relation = hdrs[SIM_RELATION_HEADER]
         # Until the processor's prober sees c2 down, Envoy fails over to c1 with the prefiller
         # chosen in c2's island (the KV crosses islands); after, the processor places on c1
-        # itself and prefill moves into c1's NVLink domain.
-        expected = ("ib-2", "cross") if relation == "cross" else ("ib-1", "nvlink")
-        assert (ISLAND[hdrs[PREFILLED_BY]], relation) == expected
+        # itself and prefill moves into c1's island.
+        island = "ib-2" if relation == "cross" else "ib-1"
+        assert ISLAND[hdrs[PREFILLED_BY]] == island, (relation, hdrs[PREFILLED_BY])
         relations.append(relation)

@@ -94,17 +94,25 @@ def test_fallback_order_nvlink_then_island_then_cross_then_colocated() -> None:
     assert choose(ready=frozenset({"c1:1"}), params=island_only).relation == COLOCATED
 
 
-def test_a_saturated_hashed_prefiller_yields_to_the_least_loaded_in_its_group() -> None:
+def test_a_saturated_hashed_prefiller_yields_to_the_least_loaded_in_the_island() -> None:
     hashed = choose(point=99).address
     other = "a2:1" if hashed == "a1:1" else "a1:1"
-    # Below min_inflight: load is not looked at.
+    # Below min_inflight (4 here): load is not looked at.
     assert choose(point=99, inflight={hashed: 3}).address == hashed
-    busy = choose(point=99, inflight={hashed: 6, other: 1})
-    assert (busy.address, busy.reason) == (other, "load")
+    # Saturated: the least loaded candidate of the island, narrowest level first on a tie.
+    busy = choose(point=99, inflight={hashed: 6, other: 1, "b1:1": 1, "b2:1": 1})
+    assert (busy.address, busy.reason, busy.relation) == (other, "load", "nvlink")
+    spill = choose(point=99, inflight={hashed: 6, other: 6, "b1:1": 1, "b2:1": 2})
+    assert (spill.address, spill.reason, spill.relation) == ("b1:1", "load", "island")
     # Equal load is not saturation: the prefix keeps its prefiller.
-    assert choose(point=99, inflight={hashed: 6, other: 6}).address == hashed
-    # Load never moves prefill out of the narrowest group while it has a candidate.
-    assert choose(point=99, inflight={hashed: 50, other: 50}).relation == "nvlink"
+    same = {e.address: 6 for e in POOL}
+    assert choose(point=99, inflight=same).address == hashed
+    # Load never leaves the island: idle cross-island prefillers do not count.
+    far_idle = {hashed: 6, other: 6, "b1:1": 6, "b2:1": 6}
+    assert choose(point=99, inflight=far_idle).relation == "nvlink"
+    # The processor's default: one prefill in flight is a queue; an idle island peer takes it.
+    eager = PrefillParams()
+    assert choose(point=99, inflight={hashed: 1}, params=eager).address == other
 
 
 def test_a_decode_target_without_labels_takes_any_prefiller() -> None:
@@ -330,3 +338,20 @@ def test_down_endpoints_are_skipped_by_the_core() -> None:
         choose_prefill(DECODE_A, POOL, 3, {}, None, TOPO, PARAMS, frozenset({hashed})).address
         != hashed
     )
+
+
+def test_pooling_the_island_spreads_prefixes_over_its_nvlink_domains() -> None:
+    pooled = PrefillParams(min_inflight=4, pool_tier=1)
+    picks = collections.Counter(choose(point=p, params=pooled).address for p in range(400))
+    assert set(picks) == {"a1:1", "a2:1", "b1:1", "b2:1"}
+    relations = {choose(point=p, params=pooled).relation for p in range(400)}
+    assert relations == {"nvlink", "island"}
+    # The config's default pools the widest level; group_level names another one.
+    runtime = compile_runtime(parse_config(pd_config(), "t.yaml"))
+    assert runtime.pd is not None and runtime.pd.params.pool_tier == 1
+    cfg = pd_config()
+    cfg["disaggregation"] = {"group_level": "nvlink"}
+    runtime = compile_runtime(parse_config(cfg, "t.yaml"))
+    assert runtime.pd is not None and runtime.pd.params.pool_tier == 0
+    cfg["disaggregation"] = {"group_level": "rack"}
+    assert "disaggregation.group_level: 'rack' is not a topology level" in problems(cfg)
