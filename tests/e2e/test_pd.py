@@ -96,7 +96,7 @@ def sessions_on(stack: FleetStack, decode: str, count: int) -> list[str]:
     raise AssertionError(f"no {count} sessions on {decode}")
 
 
-def test_decode_keeps_affinity_across_turns_and_prefill_stays_in_the_nvlink_domain(
+def test_decode_keeps_affinity_across_turns_and_prefill_stays_in_the_island(
     pd_fleet: FleetStack, make_client: MakeClient
 ) -> None:
     runtime = load_runtime(pd_fleet.fleet_path)
@@ -117,15 +117,14 @@ def test_decode_keeps_affinity_across_turns_and_prefill_stays_in_the_nvlink_doma
             if turn in transfers:
                 transfers[turn].append(float(hdrs[SIM_TRANSFER_HEADER]))
     assert {decode for decode, _, _ in seen} == {"c1", "c2"}
-    # Prefill in the decode target's island (pooled over its NVLink domains), the same
-    # prefiller for every turn of a session (its prefix cache), and both of an island's
-    # prefillers in use across sessions.
+    # Prefill in the decode target's island (pooled over its NVLink domains) and the same
+    # prefiller for every turn of a session (its prefix cache). (How sessions spread over an
+    # island's prefillers is the hash's business: tests/unit/test_pd.py.)
     for decode, prefill, relation in seen:
         assert ISLAND[prefill] == ISLAND[decode], seen
         expected = "nvlink" if NVLINK_PEER[decode] == prefill else "island"
         assert relation == expected, seen
     assert all(len(p) == 1 for p in prefillers.values()), prefillers
-    assert {p for _, p, _ in seen} == {"c3", "c4", "c5", "c6"}, seen
     # Later turns find the earlier ones' KV on their decode cluster: less to transfer.
     assert sum(transfers[2]) < sum(transfers[0])
     # Short requests are not disaggregated: decode prefills them itself.
