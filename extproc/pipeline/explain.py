@@ -59,6 +59,22 @@ def explain_outcome(runtime: Runtime, outcome: Outcome) -> dict[str, object]:
     if isinstance(outcome, Routed):
         if outcome.endpoints is not None:
             result["endpoints"] = list(outcome.endpoints)
+        prefill = outcome.prefill
+        if prefill is not None and runtime.pd is not None:
+            # P/D: the prefiller named in x-prefiller-host-port (None: colocated prefill), and
+            # what moving this prompt's KV to the decode target costs over that link.
+            kv_bytes = outcome.facts.input_tokens * runtime.pd.kv_bytes_per_token
+            result["prefill"] = {
+                "endpoint": prefill.address,
+                "cluster": prefill.endpoint.cluster if prefill.endpoint is not None else None,
+                "relation": prefill.relation,
+                "reason": prefill.reason,
+                "kv_transfer_ms": round(
+                    runtime.pd.topology.transfer_s(kv_bytes, prefill.tier) * 1000, 1
+                )
+                if prefill.endpoint is not None
+                else None,
+            }
     else:
         assert isinstance(outcome, Rejected)
         reject = outcome.reject

@@ -355,3 +355,21 @@ def test_pooling_the_island_spreads_prefixes_over_its_nvlink_domains() -> None:
     assert runtime.pd is not None and runtime.pd.params.pool_tier == 0
     cfg["disaggregation"] = {"group_level": "rack"}
     assert "disaggregation.group_level: 'rack' is not a topology level" in problems(cfg)
+
+
+def test_explain_shows_the_prefiller_and_the_transfer_cost() -> None:
+    from extproc.pipeline.explain import explain_outcome
+
+    pipe = pipeline_of(pd_config())
+
+    async def run() -> dict[str, object]:
+        out = await pipe.preview(*chat("word " * 2000, "s1"), 0.0)
+        assert isinstance(out, Routed)
+        return explain_outcome(pipe.runtime, out)
+
+    prefill = asyncio.run(run())["prefill"]
+    assert isinstance(prefill, dict)
+    assert prefill["relation"] == "nvlink" and prefill["reason"] == "affinity"
+    assert str(prefill["endpoint"]).startswith("127.0.0.1:8")
+    # ~2,500 tokens x 327,680 B over NVLink (900 GB/s): about a millisecond.
+    assert 0.5 < float(str(prefill["kv_transfer_ms"])) < 2.0
