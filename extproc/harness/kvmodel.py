@@ -155,6 +155,19 @@ class ClusterModel:
         self._slowdown = factor
 
     def admit(self, request: ModelRequest, now: float) -> Plan:
+        return self._admit(request, now, None)
+
+    def admit_remote(self, request: ModelRequest, now: float, transfer_s_per_token: float) -> Plan:
+        """Decode of a request prefilled elsewhere (disaggregated P/D).
+
+        The prompt's KV arrives over the link, ``transfer_s_per_token`` simulated seconds per
+        token, instead of being computed: the prefill queue is not touched, which is what P/D
+        buys the decode pool. Only the blocks this cluster lacks travel (vLLM's NIXL connector
+        pulls the prompt minus the local prefix-cache hit), so decode affinity still pays.
+        """
+        return self._admit(request, now, transfer_s_per_token)
+
+    def _admit(self, request: ModelRequest, now: float, transfer_s_per_token: float | None) -> Plan:
         params = self.params
         scale = params.time_scale * self._slowdown
 
@@ -169,9 +182,13 @@ class ClusterModel:
             heapq.heappop(self._slots)
         slot_at = heapq.heappop(self._slots) if len(self._slots) >= params.max_concurrency else now
 
-        prefill_start = max(slot_at, self._prefill_busy_until)
-        first_token_at = prefill_start + uncached / params.prefill_tps * scale
-        self._prefill_busy_until = first_token_at
+        if transfer_s_per_token is None:
+            prefill_start = max(slot_at, self._prefill_busy_until)
+            first_token_at = prefill_start + uncached / params.prefill_tps * scale
+            self._prefill_busy_until = first_token_at
+        else:
+            prefill_start = slot_at
+            first_token_at = slot_at + uncached * transfer_s_per_token * scale
         # The prefill step emits the first token; decode produces the rest.
         decode_tokens = max(0, request.output_tokens - 1)
         done_at = first_token_at + decode_tokens / params.decode_tps * scale
@@ -190,34 +207,6 @@ class ClusterModel:
             first_token_at=first_token_at,
             done_at=done_at,
             time_scale=params.time_scale,
-        )
-
-    def admit_remote(self, request: ModelRequest, now: float, transfer_s_per_token: float) -> Plan:
-        """Decode of a request prefilled elsewhere (disaggregated P/D).
-
-        The prompt's KV arrives over the link, ``transfer_s_per_token`` simulated seconds per
-        token, instead of being computed: the prefill queue is not touched, which is what P/D
-        buys the decode pool. Only the blocks this cluster lacks travel (vLLM's NIXL connector
-        pulls the prompt minus the local prefix-cache hit), so decode affinity still pays.
-        """
-        params = self.params
-        scale = params.time_scale * self._slowdown
-        matched = self.cache.match(request.block_hashes)
-        cached = min(matched * params.block_tokens, request.prompt_tokens)
-        uncached = request.prompt_tokens - cached
-        self.cache.touch(request.block_hashes)
-        while self._slots and self._slots[0] <= now:
-            heapq.heappop(self._slots)
-        slot_at = heapq.heappop(self._slots) if len(self._slots) >= params.max_concurrency else now
-        first_token_at = slot_at + uncached * transfer_s_per_token * scale
-        done_at = first_token_at + max(0, request.output_tokens - 1) / params.decode_tps * scale
-        heapq.heappush(self._slots, done_at)
-        self._prune(now)
-        self._inflight.append(
-            _Inflight(now, slot_at, done_at, request.prompt_tokens + request.output_tokens)
-        )
-        return Plan(
-            now, cached, uncached, slot_at, slot_at, first_token_at, done_at, params.time_scale
         )
 
     def _prune(self, now: float) -> None:
