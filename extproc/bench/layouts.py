@@ -55,6 +55,11 @@ class Row:
     errors: int
     wall_s: float
     error_kinds: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # Envoy's ext_proc counters: requests Envoy let through without a decision (failure_mode
+    # open: the fallback route, round robin) and message timeouts. A loaded machine shows up
+    # here; such requests are routed off their key.
+    fail_open: int = 0
+    message_timeouts: int = 0
 
 
 def _run(main: Any) -> ReplayResult:
@@ -115,7 +120,8 @@ def run_setup(
     speedup: float,
     workdir: Path,
     nested_share: float = 0.4,
-) -> ReplayResult:
+) -> tuple[ReplayResult, int, int]:
+    """The replay's result, and Envoy's ext_proc fail-open and message-timeout counts."""
     mode: Mode = "extproc" if setup in ("opening", "chain") else setup  # type: ignore[assignment]
     overrides: dict[str, Any] = {}
     if mode == "extproc":
@@ -134,7 +140,12 @@ def run_setup(
     stack.start(attempts=4)  # fresh ports each time: a shared busy machine loses some races
     try:
         options = ReplayOptions(speedup=speedup, concurrency=256, timeout_s=60.0)
-        return _run(run_replay(list(requests), stack.url, options))
+        result = _run(run_replay(list(requests), stack.url, options))
+        fail_open = timeouts = 0
+        if mode == "extproc":
+            fail_open = stack.envoy_stat("http.ingress.ext_proc.failure_mode_allowed")
+            timeouts = stack.envoy_stat("http.ingress.ext_proc.message_timeouts")
+        return result, fail_open, timeouts
     finally:
         stack.stop()
 
@@ -153,7 +164,7 @@ def run_layout(
     for setup in SETUPS:
         started = time.monotonic()
         try:
-            result = run_setup(
+            result, fail_open, timeouts = run_setup(
                 setup, requests, clusters, speedup, workdir / f"{layout}-{setup}", nested_share
             )
         except (TimeoutError, RuntimeError) as exc:
@@ -178,6 +189,8 @@ def run_layout(
                         if o.outcome != "2xx"
                     )
                 ),
+                fail_open,
+                timeouts,
             )
         )
     return ideal, rows
@@ -207,6 +220,12 @@ def format_table(
         + " | ".join(_num(r.later_on_first) for r in rows)
         + " |",
         "| errors | " + " | ".join(str(r.errors) for r in rows) + " |",
+        "| ext_proc fail-open (message timeouts) | "
+        + " | ".join(
+            f"{r.fail_open} ({r.message_timeouts})" if r.setup in ("opening", "chain") else "n/a"
+            for r in rows
+        )
+        + " |",
     ]
     chain = next(r for r in rows if r.setup == "chain")  # always present: SETUPS
     ok = (
