@@ -174,6 +174,33 @@ class Metrics:
             ["cluster"],
             registry=registry,
         )
+        # Engine level (issue 22): known to the processor when it names the engine
+        # (endpoint-picker mode); in route mode Envoy's ring hash chooses it and the engine is
+        # named only by x-fleet-engine-key (explain).
+        self.engine_requests = Counter(
+            "fleet_engine_requests",
+            "Routed requests by the engine (endpoint) the processor chose first.",
+            ["engine"],
+            registry=registry,
+        )
+        self.engine_input_tokens = Counter(
+            "fleet_engine_input_tokens",
+            "Input tokens the upstream reported, by engine and prefix-cache outcome.",
+            ["engine", "cache"],
+            registry=registry,
+        )
+        self.engine_output_tokens = Counter(
+            "fleet_engine_output_tokens",
+            "Output tokens the upstream reported, by engine.",
+            ["engine"],
+            registry=registry,
+        )
+        self.engine_cost_dollars = Counter(
+            "fleet_engine_token_cost_dollars",
+            "Cost of the reported tokens at the configured prices, by engine.",
+            ["engine"],
+            registry=registry,
+        )
         self.usage_missing = Counter(
             "fleet_usage_missing_responses",
             "Inspected responses that carried no usage.",

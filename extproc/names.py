@@ -15,7 +15,17 @@ PRIMARY_HEADER = "x-fleet-primary"
 SECONDARY_HEADER = "x-fleet-secondary"
 CLASS_HEADER = "x-fleet-class"
 SESSION_HEADER = "x-fleet-session"
-FLEET_HEADERS = (ROUTE_HEADER, PRIMARY_HEADER, SECONDARY_HEADER, CLASS_HEADER, SESSION_HEADER)
+# What Envoy's consistent hash inside each cluster reads to keep a session on one engine (route
+# mode, engines.affinity: sticky); equal on every processor replica (core/endpoints.engine_key).
+ENGINE_KEY_HEADER = "x-fleet-engine-key"
+FLEET_HEADERS = (
+    ROUTE_HEADER,
+    PRIMARY_HEADER,
+    SECONDARY_HEADER,
+    CLASS_HEADER,
+    SESSION_HEADER,
+    ENGINE_KEY_HEADER,
+)
 
 # Disaggregated prefill/decode: llm-d's request header naming the prefill endpoint (host:port)
 # for the routing sidecar in the decode pod (llm-d-inference-scheduler PrefillEndpointHeader).

@@ -32,7 +32,7 @@ from collections import Counter, defaultdict
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
@@ -60,8 +60,14 @@ from extproc.harness.trace import (
 from extproc.harness.workload import BurstSpec, ReplayRequest, WorkloadConfig, generate_workload
 from extproc.render.envoy import Mode
 
-SETUPS: tuple[Mode, ...] = ("round_robin", "ring_hash", "extproc")
-LABELS: Mapping[Mode, str] = {
+# The Envoy modes, plus the processor with engines.affinity: round_robin (clusters of several
+# engines: session affinity to the cluster only, as before engine stickiness; issue 22).
+Setup = Literal["round_robin", "ring_hash", "extproc", "extproc_engine_rr"]
+SETUPS: tuple[Setup, ...] = ("round_robin", "ring_hash", "extproc", "extproc_engine_rr")
+# Without several engines per cluster the fourth set-up is the third one.
+SINGLE_ENGINE_SETUPS: tuple[Setup, ...] = SETUPS[:3]
+LABELS: Mapping[Setup, str] = {
+    "extproc_engine_rr": "Envoy + extproc, round robin over each cluster's engines",
     "round_robin": "Envoy round robin",
     "ring_hash": "Envoy ring hash (session header)",
     "extproc": "Envoy + extproc",
@@ -96,6 +102,9 @@ class SimProfile:
     max_concurrency: int
     time_scale: float
     max_output: int
+    # Engines per cluster, each its own simulated process with its own KV cache of
+    # kv_capacity_tokens (FleetStack.engines).
+    engines: int = 1
 
     def sim_args(self) -> tuple[str, ...]:
         return (
@@ -313,7 +322,7 @@ def _prompt_workload(
 
 @dataclass(frozen=True, slots=True)
 class SetupRun:
-    mode: Mode
+    mode: Setup
     result: ReplayResult
     envoy_requests: int  # downstream requests Envoy counted: every attempt the client made
     setup_s: float
@@ -327,8 +336,12 @@ def _run(main: Coroutine[Any, Any, ReplayResult]) -> ReplayResult:
     return uvloop.run(main)
 
 
+def envoy_mode(setup: Setup) -> Mode:
+    return "extproc" if setup == "extproc_engine_rr" else setup
+
+
 def run_setup(
-    mode: Mode,
+    mode: Setup,
     workload: Workload,
     profile: SimProfile,
     options: ReplayOptions,
@@ -340,15 +353,21 @@ def run_setup(
 
     def make_stack() -> FleetStack:
         # The class list is the same in every set-up, but only the processor reads it: the
-        # Envoy-only modes have neither classes nor budgets.
+        # Envoy-only modes have neither classes nor budgets. The product's default prefix key,
+        # named: FleetStack's own default is the stateless opening key (tests predict
+        # placements without the learnt chains).
+        overrides: dict[str, Any] = {"classes": classes, "prefix": {"key": prefix_key}}
+        if mode == "extproc_engine_rr":
+            overrides["engines"] = {"affinity": "round_robin"}
         return FleetStack(
             workdir,
             clusters=profile.clusters,
-            mode=mode,
+            engines=profile.engines,
+            # Many engine processes start at once: slower on a loaded 2-core machine.
+            sim_start_timeout_s=20.0 * max(1, profile.engines),
+            mode=envoy_mode(mode),
             sim_args=profile.sim_args(),
-            # The product's default prefix key, named: FleetStack's own default is the
-            # stateless opening key (tests predict placements without the learnt chains).
-            fleet_overrides={"classes": classes, "prefix": {"key": prefix_key}},
+            fleet_overrides=overrides,
             processor_args=("--log-level", "warning", "--seed", "0"),
             access_log=False,
         )
@@ -478,7 +497,7 @@ def _hit_ratio_of(result: ReplayResult, indexes: set[int]) -> float | None:
 
 
 def add_common(
-    reports: Mapping[Mode, dict[str, Any]], runs: Mapping[Mode, SetupRun], workload: Workload
+    reports: Mapping[Setup, dict[str, Any]], runs: Mapping[Setup, SetupRun], workload: Workload
 ) -> dict[str, Any]:
     """Hit ratios over the requests every set-up served (like for like when budgets reject)."""
     served = [{o.index for o in r.result.outcomes if o.outcome == "2xx"} for r in runs.values()]
@@ -498,7 +517,7 @@ class Target:
     met: bool | None  # None: not measurable in this run
 
 
-def targets(reports: Mapping[Mode, dict[str, Any]], workload: Workload) -> list[Target]:
+def targets(reports: Mapping[Setup, dict[str, Any]], workload: Workload) -> list[Target]:
     out: list[Target] = []
     ext = reports.get("extproc")
     rr = reports.get("round_robin")
@@ -522,11 +541,20 @@ def targets(reports: Mapping[Mode, dict[str, Any]], workload: Workload) -> list[
                     vs_rr >= TARGET_HIT_VS_RR,
                 )
             )
+    spray = reports.get("extproc_engine_rr")
+    if ext is not None and spray is not None and ext["hit_ratio"] and spray["hit_ratio"]:
+        out.append(
+            Target(
+                "engine stickiness vs round robin over each cluster's engines (hit ratio x ideal)",
+                f"{_num(ext['hit_vs_ideal'], 2)} x vs {_num(spray['hit_vs_ideal'], 2)} x",
+                ext["hit_ratio"] > spray["hit_ratio"],
+            )
+        )
     if ext is not None and workload.burst_windows:
         # Two baselines: outside the windows (the replayer's split) and before the first burst.
         # A burst's backlog outlives its window on a FIFO cluster, so "outside" can be inflated
         # by the burst itself and flatter a set-up; "before" is untouched by it.
-        def pair(mode: Mode) -> str:
+        def pair(mode: Setup) -> str:
             b = reports[mode]["burst"]
             return f"{_num(b['ratio_in_out'], 2)} / {_num(b['ratio_in_before'], 2)}"
 
@@ -568,7 +596,7 @@ def _ms(value: float | None) -> str:
 
 
 def format_report(
-    reports: Mapping[Mode, dict[str, Any]],
+    reports: Mapping[Setup, dict[str, Any]],
     common: Mapping[str, Any],
     workload: Workload,
     profile: SimProfile,
@@ -579,8 +607,9 @@ def format_report(
         f"workload: {workload.description}",
         f"ideal hit ratio ({workload.ideal_source}): {workload.ideal_hit_ratio:.3f}; "
         f"working set {workload.unique_tokens / 1e6:.2f}M tokens",
-        f"fleet: {profile.clusters} simulated clusters, KV {profile.kv_capacity_tokens / 1e6:.2f}M "
-        f"tokens each, prefill {profile.prefill_tps:g} tok/s, decode {profile.decode_tps:g} "
+        f"fleet: {profile.clusters} simulated clusters of {profile.engines} engine(s), KV "
+        f"{profile.kv_capacity_tokens / 1e6:.2f}M tokens per engine, prefill "
+        f"{profile.prefill_tps:g} tok/s, decode {profile.decode_tps:g} "
         f"tok/s/request, {profile.max_concurrency} slots; simulated time runs {speedup:g}x real",
         f"extproc classes: {describe_classes(classes)}",
         "",
@@ -709,7 +738,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{DEFAULT_SPEEDUP['synthetic']:g} for the synthetic workload)",
     )
     parser.add_argument(
-        "--setups", default=",".join(SETUPS), help="comma-separated subset of " + ",".join(SETUPS)
+        "--setups",
+        default=None,
+        help="comma-separated subset of "
+        + ",".join(SETUPS)
+        + " (default: all; without --engines-per-cluster > 1 the last is left out)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -728,10 +761,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet = parser.add_argument_group("simulated fleet")
     fleet.add_argument("--clusters", type=int, default=8)
     fleet.add_argument(
+        "--engines-per-cluster",
+        type=int,
+        default=1,
+        help="engines per cluster, each with its own KV cache (the fleet's KV is divided among "
+        "all engines)",
+    )
+    fleet.add_argument(
         "--kv-capacity-tokens",
         type=int,
         default=None,
-        help="per cluster; default: the workload's working set / clusters (the whole fleet can "
+        help="per engine; default: the workload's working set / engines (the whole fleet can "
         f"hold every distinct prefix once), never below the simulator's {SIM_DEFAULT_KV}",
     )
     fleet.add_argument("--prefill-tps", type=float, default=20_000.0)
@@ -773,8 +813,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _profile(args: argparse.Namespace, workload: Workload, speedup: float) -> SimProfile:
     kv = args.kv_capacity_tokens
+    engines = args.clusters * args.engines_per_cluster
     if kv is None:
-        kv = max(SIM_DEFAULT_KV, math.ceil(workload.unique_tokens / args.clusters))
+        kv = max(SIM_DEFAULT_KV, math.ceil(workload.unique_tokens / engines))
     profile = SimProfile(
         clusters=args.clusters,
         kv_capacity_tokens=kv,
@@ -783,14 +824,15 @@ def _profile(args: argparse.Namespace, workload: Workload, speedup: float) -> Si
         max_concurrency=args.max_concurrency,
         time_scale=1.0 / speedup,
         max_output=args.max_output,
+        engines=args.engines_per_cluster,
     )
     # Fail here, with the model's own message, rather than in eight sim processes.
     ClusterParams(kv, args.prefill_tps, args.decode_tps, args.max_concurrency, 1.0 / speedup)
     return profile
 
 
-def _parse_setups(text: str) -> list[Mode]:
-    chosen: list[Mode] = []
+def _parse_setups(text: str) -> list[Setup]:
+    chosen: list[Setup] = []
     for item in (part.strip() for part in text.split(",")):
         match = [m for m in SETUPS if m == item]
         if not match:
@@ -805,7 +847,10 @@ def _progress(line: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        setups = _parse_setups(args.setups)
+        if args.engines_per_cluster < 1:
+            raise ValueError("--engines-per-cluster must be >= 1")
+        default = SETUPS if args.engines_per_cluster > 1 else SINGLE_ENGINE_SETUPS
+        setups = _parse_setups(args.setups) if args.setups else list(default)
         bounds = ClassBounds.parse(args.class_bounds)
         if args.workload == "synthetic":
             workload = synthetic_workload(args)
@@ -848,7 +893,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir: Path = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"workload: {workload.description}", file=sys.stderr)
-    runs: dict[Mode, SetupRun] = {}
+    runs: dict[Setup, SetupRun] = {}
     for mode in setups:
         print(f"== {LABELS[mode]} ==", file=sys.stderr, flush=True)
         workdir = out_dir / "logs" / f"{workload.name}-{mode}"

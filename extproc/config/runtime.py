@@ -20,6 +20,7 @@ from extproc.config.schema import AffinityConfig, FleetConfig
 from extproc.core.affinity import AffinityParams
 from extproc.core.chains import ChainParams, ChainSketch
 from extproc.core.decide import Policy
+from extproc.core.endpoints import EngineChoice
 from extproc.core.facts import ParseLimits
 from extproc.core.fleet import Budget, Cluster, RequestClass
 from extproc.core.flow import FlowParams, WaitPolicy
@@ -70,6 +71,8 @@ class Runtime:
     redis: RedisSettings = field(default_factory=RedisSettings)
     prices: Prices = field(default_factory=Prices)
     endpoint_picker: bool = False  # processor.mode == "endpoint_picker"
+    # Engine choice inside a cluster (fleet.yaml engines; extproc.core.endpoints).
+    engines: EngineChoice = field(default_factory=EngineChoice)
     inspect_usage: bool = False
     # How long a learnt response link lives; None: previous_response_id is not followed
     # (session.follow_previous_response off, or no response inspection to learn links from).
@@ -165,6 +168,13 @@ def compile_runtime(
         ),
         prices=Prices(cfg.prices.cached_input, cfg.prices.uncached_input, cfg.prices.output),
         endpoint_picker=cfg.processor.mode == "endpoint_picker",
+        engines=EngineChoice(
+            sticky=cfg.engines.affinity == "sticky",
+            balance=cfg.engines.balance_factor,
+            min_inflight=cfg.engines.min_inflight,
+            # Only a secret the replicas share keeps the key equal across them (engine_key).
+            key_secret=label_secret.value if label_secret.source != "process" else b"",
+        ),
         inspect_usage=cfg.processor.inspect_usage,
         response_link_ttl_s=(
             cfg.session.response_link_ttl_s

@@ -281,6 +281,33 @@ class EngineMetricsConfig(Strict):
     timeout_ms: int = Field(default=1000, gt=0)
 
 
+class EnginesConfig(Strict):
+    """How a session's requests spread over its cluster's endpoints: each endpoint is an engine
+    with its own KV cache, so spraying a session over them re-prefills it on each (issue 22).
+
+    sticky: one engine per session, turn after turn. Route mode: every cluster balances with
+    Envoy's Maglev (or ring hash) on ``x-fleet-engine-key`` (set by the processor);
+    endpoint-picker mode: the processor's rendezvous choice (extproc.core.endpoints).
+    round_robin: Envoy's round
+    robin over the cluster's endpoints (the behaviour before engine stickiness), and in
+    endpoint-picker mode an engine drawn per request.
+    """
+
+    affinity: Literal["sticky", "round_robin"] = "sticky"
+    # Route mode: Envoy's consistent hash inside each cluster. Maglev: measured on Envoy 1.40,
+    # an engine removed or added moved 0-1 % of the other engines' sessions; ring hash moved
+    # 10-13 % of them (its ring is re-divided among the engines; render.envoy._engine_lb).
+    envoy_policy: Literal["maglev", "ring_hash"] = "maglev"
+    # Bounded load: an engine holding more than balance_factor x its cluster's mean in-flight
+    # requests passes a new request to the session's next engine in the same cluster (Envoy's
+    # hash_balance_factor, in percent; the processor's own bound in endpoint-picker mode).
+    # None: no bound (a hot session can pile onto one engine).
+    balance_factor: float | None = Field(default=1.25, ge=1.0, le=100.0)
+    # Endpoint-picker mode: the bound applies only to an engine holding at least this many
+    # requests (Envoy's hash_balance_factor has no such floor).
+    min_inflight: int = Field(default=4, ge=1)
+
+
 def _default_classes() -> list[ClassConfig]:
     return [
         ClassConfig(name="short", max_input_tokens=2048),
@@ -343,3 +370,4 @@ class FleetConfig(Strict):
     topology: TopologyConfig = TopologyConfig()
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     flow: FlowConfig = FlowConfig()
+    engines: EnginesConfig = EnginesConfig()

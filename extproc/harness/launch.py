@@ -132,6 +132,13 @@ class SimSpec:
     name: str
     port: int
     args: tuple[str, ...] = ()
+    # The cluster this process serves as one engine of (FleetStack.engines > 1); None: the
+    # process is the whole cluster ``name``.
+    cluster: str | None = None
+
+    @property
+    def cluster_name(self) -> str:
+        return self.cluster or self.name
 
 
 @dataclass
@@ -140,6 +147,10 @@ class FleetStack:
 
     workdir: Path
     clusters: int = 3
+    # Engines per cluster: each its own simulated process (own KV cache), named c1-e1, c1-e2 ...
+    # in ``sims``, answering x-served-by: c1 and x-served-by-engine: c1-e1. 1: the process is
+    # the cluster, named c1.
+    engines: int = 1
     mode: Mode = "extproc"
     sim_args: tuple[str, ...] = ("--time-scale", "0.001")
     fleet_overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -203,12 +214,12 @@ class FleetStack:
             },
             "clusters": [
                 {
-                    "name": s.name,
-                    "endpoints": [f"{LOOPBACK}:{s.port}"],
+                    "name": name,
+                    "endpoints": endpoints,
                     **self.cluster_fields,
-                    **self.cluster_fields_by_name.get(s.name, {}),
+                    **self.cluster_fields_by_name.get(name, {}),
                 }
-                for s in self.sim_specs.values()
+                for name, endpoints in self.cluster_endpoints().items()
             ],
             # Stacks run the stateless opening key unless told otherwise: tests and the demo
             # predict every placement with the core's parser, which a learning key (the chain
@@ -223,6 +234,20 @@ class FleetStack:
             else:
                 cfg[key] = value
         return cfg
+
+    def cluster_endpoints(self) -> dict[str, list[str]]:
+        """Cluster name -> its engines' host:port, in start order."""
+        out: dict[str, list[str]] = {}
+        for spec in self.sim_specs.values():
+            out.setdefault(spec.cluster_name, []).append(f"{LOOPBACK}:{spec.port}")
+        return out
+
+    def engines_of(self, cluster: str) -> list[str]:
+        """The names (keys of ``sims``) of a cluster's engine processes."""
+        return [s.name for s in self.sim_specs.values() if s.cluster_name == cluster]
+
+    def engine_address(self, name: str) -> str:
+        return f"{LOOPBACK}:{self.sim_specs[name].port}"
 
     def write_configs(self) -> None:
         self.fleet_path = self.workdir / "fleet.yaml"
@@ -272,8 +297,13 @@ class FleetStack:
         self.grpc_ports = [self._port() for _ in range(max(1, self.processors))]
         self.grpc_port = self.grpc_ports[0]
         for i in range(1, self.clusters + 1):
-            spec = SimSpec(f"c{i}", self._port(), self.sim_args)
-            self.sim_specs[spec.name] = spec
+            if self.engines <= 1:
+                spec = SimSpec(f"c{i}", self._port(), self.sim_args)
+                self.sim_specs[spec.name] = spec
+                continue
+            for j in range(1, self.engines + 1):
+                spec = SimSpec(f"c{i}-e{j}", self._port(), self.sim_args, cluster=f"c{i}")
+                self.sim_specs[spec.name] = spec
         self.write_configs()
         try:
             for spec in self.sim_specs.values():
@@ -303,7 +333,8 @@ class FleetStack:
                 "extproc",
                 "sim-cluster",
                 "--name",
-                name,
+                spec.cluster_name,
+                *(["--engine-id", spec.name] if spec.cluster else []),
                 "--port",
                 str(spec.port),
                 *spec.args,
@@ -326,6 +357,17 @@ class FleetStack:
     @property
     def cds_path(self) -> Path:
         return self.workdir / "cds.yaml"
+
+    def add_engine(self, cluster: str) -> str:
+        """Start one more engine of ``cluster`` and add it to fleet.yaml (the processor reloads;
+        with ``dynamic_cds`` it rewrites Envoy's clusters too). Returns its name."""
+        taken = len(self.engines_of(cluster))
+        spec = SimSpec(f"{cluster}-e{taken + 1}", self._port(), self.sim_args, cluster=cluster)
+        self.sim_specs[spec.name] = spec
+        self.start_sim(spec.name)
+        wait_until(lambda: _ok(spec.port, "/health"), 20, f"sim engine {spec.name}")
+        write_atomically(self.fleet_path, yaml.safe_dump(self.fleet_config(), sort_keys=False))
+        return spec.name
 
     def add_cluster(self, name: str) -> None:
         """Start one more simulated cluster and add it to fleet.yaml (the processor reloads)."""
@@ -410,13 +452,18 @@ class FleetStack:
 
     def wait_healthy(self, names: Sequence[str], healthy: bool = True, timeout: float = 20) -> None:
         """Wait until Envoy sees these clusters' hosts as (un)healthy, in their own Envoy
-        cluster and in the fallback cluster that holds every endpoint."""
-        addrs = {f"{LOOPBACK}:{self.sim_specs[n].port}": n for n in names}
+        cluster and in the fallback cluster that holds every endpoint. A name is a cluster (all
+        its engines) or one engine process."""
+        addrs = {
+            f"{LOOPBACK}:{s.port}": s.name
+            for s in self.sim_specs.values()
+            if s.name in names or s.cluster_name in names
+        }
 
         def check() -> bool:
             h = self.host_health()
             mine = [ok for (_cluster, addr), ok in h.items() if addrs.get(addr) is not None]
-            expected = 2 * len(names)  # its own Envoy cluster + the fallback cluster
+            expected = 2 * len(addrs)  # its own Envoy cluster + the fallback cluster
             return len(mine) >= expected and all(ok is healthy for ok in mine)
 
         wait_until(check, timeout, f"envoy to see {list(names)} healthy={healthy}", 0.1)

@@ -86,6 +86,9 @@ FaultMode = Literal["none", "refuse", "error", "slow", "hang", "reset"]
 FAULT_MODES: tuple[str, ...] = get_args(FaultMode)
 
 SERVED_BY = "x-served-by"
+# Which engine of the cluster answered (a cluster simulated as several engine processes, each
+# with its own KV cache): how tests and benches see engine stickiness. Only when set.
+SERVED_BY_ENGINE = "x-served-by-engine"
 ORCA_HEADER = "endpoint-load-metrics"
 FLEET_LOAD_HEADER = "x-fleet-load"
 SIM_TTFT_HEADER = "x-sim-ttft-ms"
@@ -140,6 +143,9 @@ class SimClusterConfig:
     # "sim": the simulator's own load headers and metrics; "vllm" / "sglang": the real engine's
     # /metrics families and response headers, exactly (extproc.harness.engine_formats).
     engine: SimEngine = "sim"
+    # This process is one engine of cluster ``name`` (echoed in x-served-by-engine); empty:
+    # the process is the whole cluster.
+    engine_id: str = ""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -385,6 +391,8 @@ class SimCluster:
     # -- small endpoints -------------------------------------------------------------------
 
     def _base_headers(self) -> dict[str, str]:
+        if self.config.engine_id:
+            return {SERVED_BY: self.config.name, SERVED_BY_ENGINE: self.config.engine_id}
         return {SERVED_BY: self.config.name}
 
     async def _health(self, request: web.Request) -> web.Response:

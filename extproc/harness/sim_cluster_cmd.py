@@ -19,6 +19,11 @@ from extproc.harness.sim_pd import PdSimCluster, pd_sim_config
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default="sim", help="cluster name, echoed in x-served-by")
+    parser.add_argument(
+        "--engine-id",
+        default="",
+        help="this process is one engine of the cluster: echoed in x-served-by-engine",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     parser.add_argument("--kv-capacity-tokens", type=int, default=2_000_000)
@@ -57,7 +62,11 @@ def config_from_args(args: argparse.Namespace) -> SimClusterConfig:
         time_scale=args.time_scale,
     )
     return SimClusterConfig(
-        name=args.name, params=params, max_output=args.max_output, engine=args.engine
+        name=args.name,
+        params=params,
+        max_output=args.max_output,
+        engine=args.engine,
+        engine_id=args.engine_id,
     )
 
 

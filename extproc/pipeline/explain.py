@@ -75,6 +75,7 @@ def explain_outcome(runtime: Runtime, outcome: Outcome) -> dict[str, object]:
                 if prefill.endpoint is not None
                 else None,
             }
+        result["engine"] = explain_engine(runtime, outcome)
     else:
         assert isinstance(outcome, Rejected)
         reject = outcome.reject
@@ -82,6 +83,23 @@ def explain_outcome(runtime: Runtime, outcome: Outcome) -> dict[str, object]:
         result["reason"] = str(reject.reason)
         result["message"] = reject.message
     return result
+
+
+def explain_engine(runtime: Runtime, outcome: Routed) -> dict[str, object]:
+    """Which engine of the primary serves the request, or how Envoy will choose it."""
+    primary = outcome.route.placement.primary
+    engines = list(runtime.endpoints.get(primary, ()))
+    if outcome.endpoints is not None:  # endpoint-picker mode: the processor chose
+        chosen = outcome.endpoints[0] if outcome.endpoints else None
+        by = "processor rendezvous" if runtime.engines.sticky else "processor, drawn per request"
+        return {"chosen_by": by, "engine": chosen, "cluster_engines": engines}
+    if outcome.engine_key is not None:
+        return {
+            "chosen_by": f"envoy {runtime.config.engines.envoy_policy}",
+            "x-fleet-engine-key": outcome.engine_key,
+            "cluster_engines": engines,
+        }
+    return {"chosen_by": "envoy round robin", "cluster_engines": engines}
 
 
 def request_headers(path: str, headers: dict[str, str]) -> dict[str, str]:

@@ -64,6 +64,9 @@ class Hold:
     # counted in flight (extproc.core.pd).
     prefill_ticket: Ticket | None = None
     prefill_endpoint: str | None = None
+    # Endpoint-picker mode: the engine counted in flight for the bounded-load choice (and
+    # credited with the response's usage when inspected).
+    engine: str | None = None
 
     @property
     def held(self) -> bool:
@@ -73,6 +76,7 @@ class Hold:
             or self.routed_to is not None
             or self.prefill_ticket is not None
             or self.prefill_endpoint is not None
+            or self.engine is not None
         )
 
 
@@ -91,6 +95,8 @@ class Routed:
     # Disaggregated classes only: the prefill endpoint signalled to the decode-side sidecar
     # (None in the choice: the decode target prefills itself).
     prefill: PrefillChoice | None = None
+    # Route mode with sticky engines: x-fleet-engine-key, what Envoy's ring hash reads.
+    engine_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

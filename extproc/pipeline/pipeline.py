@@ -27,7 +27,7 @@ from extproc.core.admission import Admitted, Demand, Reject, plan, request_token
 from extproc.core.affinity import Decision, Kind, Override, SessionView, place
 from extproc.core.api import Api, BadRequest, api_for_path
 from extproc.core.decide import Route
-from extproc.core.endpoints import pick_endpoints
+from extproc.core.endpoints import engine_key, pick_endpoints
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
 from extproc.core.flow import placement_candidates, secondary_for
@@ -108,6 +108,10 @@ class Pipeline:
         self._prefill_inflight: dict[str, int] = {}
         # Prefill endpoints a response showed unreachable, and when (see observe_response).
         self._prefill_down: dict[str, float] = {}
+        # Endpoint-picker mode: requests this replica has in flight per engine (endpoint), what
+        # the bounded-load engine choice reads (extproc.core.endpoints).
+        self._engine_inflight: dict[str, int] = {}
+        self._engine_draws = 0
 
     @property
     def metrics(self) -> Metrics:
@@ -241,7 +245,13 @@ class Pipeline:
             if isinstance(planned, Reject):
                 return Rejected(facts, route, kind, planned)
             return Routed(
-                facts, route, kind, Hold(api), self._endpoints(runtime, facts, route), prefill
+                facts,
+                route,
+                kind,
+                Hold(api),
+                self._endpoints(runtime, facts, route),
+                prefill,
+                self._engine_key(runtime, facts),
             )
         hold = Hold(api)
         if self._gate is not None:
@@ -320,6 +330,10 @@ class Pipeline:
         endpoints = self._endpoints(runtime, facts, route) if runtime.endpoint_picker else None
         if endpoints == ():
             self._metrics.routes.labels("no_endpoint").inc()
+        elif endpoints:
+            engine = hold.engine = endpoints[0]
+            self._engine_inflight[engine] = self._engine_inflight.get(engine, 0) + 1
+            self._metrics.engine_requests.labels(engine).inc()
         if log.isEnabledFor(logging.DEBUG):  # per-request lines only when asked for
             log.debug(
                 "routed",
@@ -334,7 +348,17 @@ class Pipeline:
                     "input_tokens": facts.input_tokens,
                 },
             )
-        return Routed(facts, route, kind, hold, endpoints, prefill)
+        return Routed(
+            facts, route, kind, hold, endpoints, prefill, self._engine_key(runtime, facts)
+        )
+
+    @staticmethod
+    def _engine_key(runtime: Runtime, facts: RequestFacts) -> str | None:
+        """Route mode with sticky engines: the value Envoy's consistent hash keeps the session
+        on (extproc.core.endpoints.engine_key)."""
+        if runtime.endpoint_picker or not runtime.engines.sticky:
+            return None
+        return engine_key(facts.session.digest, runtime.engines.key_secret)
 
     def _choose_prefill(
         self, runtime: Runtime, facts: RequestFacts, route: Route, now: float
@@ -561,7 +585,24 @@ class Pipeline:
             if self._endpoint_health
             else frozenset(e for eps in runtime.endpoints.values() for e in eps)
         )
-        return tuple(pick_endpoints(facts.session.point, ranked, runtime.endpoints, ready))
+        engines = runtime.engines
+        point = facts.session.point
+        if not engines.sticky:
+            # round_robin: a per-request point (a counter, mixed) spreads the session.
+            self._engine_draws += 1
+            point = mix64(point ^ self._engine_draws)
+        return tuple(
+            pick_endpoints(
+                point,
+                ranked,
+                runtime.endpoints,
+                ready,
+                2,
+                self._engine_inflight,
+                engines.balance,
+                engines.min_inflight,
+            )
+        )
 
     @property
     def asks_load_reports(self) -> bool:
@@ -640,12 +681,12 @@ class Pipeline:
         if scanner is not None:
             scanner.feed(chunk)
             if end_of_stream:
-                self._account_usage(cluster, scanner.finish())
+                self._account_usage(cluster, scanner.finish(), hold.engine)
                 hold.usage_cluster = None
             response_id = scanner.response_id
         else:
             if end_of_stream:
-                self._account_usage(cluster, usage_from_body(hold.api, chunk))
+                self._account_usage(cluster, usage_from_body(hold.api, chunk), hold.engine)
                 hold.usage_cluster = None
             response_id = response_id_from_body(chunk) if hold.link_session else None
         if response_id is not None and hold.link_session is not None:
@@ -661,7 +702,7 @@ class Pipeline:
                 )
                 self._metrics.response_links.labels("learnt").inc()
 
-    def _account_usage(self, cluster: str, usage: Usage | None) -> None:
+    def _account_usage(self, cluster: str, usage: Usage | None, engine: str | None) -> None:
         if usage is None:
             self._metrics.usage_missing.inc()
             return
@@ -674,6 +715,15 @@ class Pipeline:
         prices = self._runtime.current.prices
         m.cost_dollars.labels(cluster).inc(prices.cost(usage))
         m.cache_savings_dollars.labels(cluster).inc(prices.saved(usage))
+        if engine is not None:
+            # The engine chosen first; a retry onto the fallback engine is credited to it too,
+            # as the cluster is credited the primary unless the response names another.
+            m.engine_input_tokens.labels(engine, "hit").inc(usage.cached_tokens)
+            m.engine_input_tokens.labels(engine, "miss").inc(
+                max(0, usage.prompt_tokens - usage.cached_tokens)
+            )
+            m.engine_output_tokens.labels(engine).inc(usage.output_tokens)
+            m.engine_cost_dollars.labels(engine).inc(prices.cost(usage))
 
     async def charge_served(self, hold: Hold) -> None:
         """Move the budget charge to the cluster that serves the request, when Envoy failed it
@@ -707,6 +757,13 @@ class Pipeline:
         prefill_ticket, hold.prefill_ticket = hold.prefill_ticket, None
         if prefill_ticket is not None and self._gate is not None:
             await asyncio.shield(self._gate.release(prefill_ticket))
+        engine, hold.engine = hold.engine, None
+        if engine is not None:
+            left = self._engine_inflight.get(engine, 0) - 1
+            if left > 0:
+                self._engine_inflight[engine] = left
+            else:
+                self._engine_inflight.pop(engine, None)  # a reload may have removed it
         ticket, hold.ticket = hold.ticket, None
         if ticket is not None and self._gate is not None:
             # Shielded: the stream may be ending by cancellation (client or upstream abort), and

@@ -18,6 +18,7 @@ from extproc.core.load import ORCA_FORMAT, ORCA_FORMAT_HEADER
 from extproc.core.ratelimit_headers import rate_limit_headers
 from extproc.names import (
     CLASS_HEADER,
+    ENGINE_KEY_HEADER,
     PREFILLER_HEADER,
     PRIMARY_HEADER,
     ROUTE_HEADER,
@@ -96,6 +97,7 @@ class RouteAnswers:
         facts: RequestFacts,
         ask_load_report: bool = False,
         prefiller: str | None = None,
+        engine_key: str | None = None,
     ) -> ep.ProcessingResponse:
         """Set routing headers and make Envoy re-pick the route.
 
@@ -114,6 +116,9 @@ class RouteAnswers:
             )
         )
         sets.append(_set(SESSION_HEADER, facts.session.label))
+        if engine_key is not None:
+            # The route's hash_policy: Envoy's consistent hash keeps the session on one engine.
+            sets.append(_set(ENGINE_KEY_HEADER, engine_key))
         if ask_load_report:
             # vLLM attaches its ORCA endpoint-load-metrics to a (non-streaming) response only
             # when the request asks for it.

@@ -195,7 +195,11 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             prefiller = outcome.prefill.address if outcome.prefill is not None else None
             if outcome.endpoints is None:
                 return self._answers.route(
-                    outcome.route, outcome.facts, self.pipeline.asks_load_reports, prefiller
+                    outcome.route,
+                    outcome.facts,
+                    self.pipeline.asks_load_reports,
+                    prefiller,
+                    outcome.engine_key,
                 )
             if not outcome.endpoints:
                 return responses.error_response(

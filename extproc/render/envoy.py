@@ -22,6 +22,7 @@ from extproc.config.runtime import Runtime
 from extproc.core.fleet import Cluster
 from extproc.names import (
     BUFFER_HEADROOM,
+    ENGINE_KEY_HEADER,
     FLEET_HEADERS,
     PD_HEADERS,
     ROUTE_HEADER,
@@ -41,6 +42,9 @@ RETRY_ON = ("connect-failure", "refused-stream", "reset-before-request", "retria
 RETRIABLE_STATUSES = (429, 503)
 # Consecutive local-origin failures (connect failures, timeouts) that eject a host.
 LOCAL_ORIGIN_EJECT_AFTER = 3
+# Overprovisioning factor (percent) that keeps a cluster's whole priority share while any of
+# up to 1000 engines is healthy (see _engine_lb).
+WHOLE_CLUSTER = 100_000
 # HTTP/2 flow-control window of a client connection, at least (see h2_windows).
 H2_CONNECTION_WINDOW = 16 << 20
 
@@ -249,9 +253,64 @@ def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
             "cluster_header": ROUTE_HEADER,
             **timers,
             "retry_policy": _retry_policy(runtime),
+            **_engine_hash_policy(runtime),
         },
     }
     return [by_header, fallback]
+
+
+def _sticky_engines(runtime: Runtime, opts: EnvoyOptions) -> bool:
+    """Route mode with engines.affinity sticky: each cluster ring-hashes its engines."""
+    sticky = runtime.config.engines.affinity == "sticky"
+    return opts.mode == "extproc" and sticky and not _picks_endpoints(runtime)
+
+
+def _engine_hash_policy(runtime: Runtime) -> Json:
+    """The routed request's hash key: the processor's x-fleet-engine-key (internal_only, so a
+    client cannot pick its engine; core/endpoints.engine_key says why not x-fleet-session).
+    Ignored by a ROUND_ROBIN cluster, so it is harmless when engines are not sticky."""
+    if runtime.config.engines.affinity != "sticky":
+        return {}
+    return {"hash_policy": [{"header": {"header_name": ENGINE_KEY_HEADER}}]}
+
+
+def _engine_lb(runtime: Runtime) -> Json:
+    """An inference cluster's engine choice when sessions stick to engines (issue 22).
+
+    A consistent hash on the route's hash key. On Envoy 1.40 through the pair aggregates (the
+    aggregate hands the request's hash to the member cluster it picks), 300 sessions over 4
+    engines, one engine killed, restarted, then a fifth added:
+    - MAGLEV (default): the dead engine's sessions moved, each to one other engine, and no
+      other session moved; the fifth engine took 57 of 300 (≈1/5) and nothing moved among the
+      old four (in the e2e test, with 3 engines growing to 4: 2 of 225 moved among the old);
+    - RING_HASH: also 30 of the other 234 sessions moved on the removal, and 29 of 300 moved
+      among the old engines on the addition: Envoy re-divides a fixed-size ring among the
+      healthy hosts, so every host's share of ring points changes with their number.
+    Bounded load (hash_balance_factor, percent): an engine with more than that multiple of the
+    cluster's mean active requests passes the request to the next engine for that key.
+    """
+    # Hosts hashed by address (the default): a STRICT_DNS name resolving to several engines
+    # gives each its own ring points, where a per-endpoint hash_key would merge them.
+    lb: Json
+    if runtime.config.engines.envoy_policy == "maglev":
+        lb = {"lb_policy": "MAGLEV", "maglev_lb_config": {"table_size": 65537}}
+    else:
+        lb = {
+            "lb_policy": "RING_HASH",
+            "ring_hash_lb_config": {"minimum_ring_size": 1024, "hash_function": "XX_HASH"},
+        }
+    # Leave the cluster only when none of its engines is healthy. Envoy weighs a priority by
+    # healthy share x overprovisioning factor (default 1.4): with one of 3 engines down the
+    # primary kept 93 % and 7 % of requests, chosen per request, went to the secondary
+    # (observed on 1.40), scattering sessions. Any healthy engine now keeps the whole share,
+    # and the ring keeps each session on one of them. Panic routing is off for the same reason:
+    # below half healthy Envoy would spray the ring over dead engines too.
+    common: Json = {"healthy_panic_threshold": {"value": 0}}
+    factor = runtime.config.engines.balance_factor
+    if factor is not None:
+        common["consistent_hashing_lb_config"] = {"hash_balance_factor": round(factor * 100)}
+    lb["common_lb_config"] = common
+    return lb
 
 
 def _picks_endpoints(runtime: Runtime) -> bool:
@@ -501,6 +560,10 @@ def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
 def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     clusters: list[Cluster] = list(runtime.clusters)
     out = [_inference_cluster(c.name, list(c.endpoints), c.health_path, opts) for c in clusters]
+    if _sticky_engines(runtime, opts):
+        for cluster in out:
+            cluster.update(_engine_lb(runtime))
+            cluster["load_assignment"]["policy"] = {"overprovisioning_factor": WHOLE_CLUSTER}
     every_endpoint = [e for c in clusters for e in c.endpoints]
     owners = [c.name for c in clusters for _ in c.endpoints]
     fallback = _inference_cluster(

@@ -131,6 +131,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--decode-tps", type=float, default=50.0)
     fleet.add_argument("--lanes", type=int, default=8, help="prefill instances per cluster")
     fleet.add_argument("--max-concurrency", type=int, default=512)
+    fleet.add_argument(
+        "--engines-per-cluster",
+        type=int,
+        default=1,
+        help="engines (replicas) per cluster, each with its own KV cache and its share of the"
+        " cluster's KV, prefill lanes and concurrency (1: one cache per cluster)",
+    )
+    fleet.add_argument(
+        "--engine-affinity",
+        choices=["sticky", "round_robin"],
+        default="sticky",
+        help="with several engines per cluster: a session sticks to one (the processor's"
+        " rendezvous with bounded load), or requests go round robin over them",
+    )
 
     script = parser.add_argument_group("events and bursts")
     script.add_argument(
@@ -227,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         weights=args.weights,
         seed=args.seed,
+        engines=args.engines_per_cluster,
     )
     events: tuple[str, ...] | None = None
     if args.no_events:
@@ -253,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
         spill_wait_s=args.spill_wait,
         max_retries=args.max_retries,
         seed=args.seed,
+        sticky_engines=args.engine_affinity == "sticky",
         memory_limit_bytes=(
             int(args.memory_limit_gb * 2**30) if args.memory_limit_gb is not None else None
         ),

@@ -28,8 +28,9 @@ import numpy.typing as npt
 from extproc.core.fleet import RequestClass
 from extproc.ledger.memory import MemoryLedger
 from extproc.pipeline.admission import admit_first_fit
+from extproc.sim.engines import cluster_state
 from extproc.sim.events import Event, Kind, validate
-from extproc.sim.model import ClusterSpec, ClusterState
+from extproc.sim.model import ClusterSpec
 from extproc.sim.policies import FleetView, make_policy
 from extproc.sim.traffic import Traffic
 from extproc.sim.vector import EpochTables
@@ -121,6 +122,9 @@ class SimConfig:
     max_retries: int = 3
     spill_wait_s: float = 2.0
     seed: int = 0
+    # Clusters of several engines: each session sticks to one (the processor's choice), or
+    # requests go round robin over them (Envoy's default inside a cluster).
+    sticky_engines: bool = True
 
 
 @dataclass(slots=True)
@@ -169,7 +173,8 @@ def run_policy(
     retry_rng = Random(f"retry:{config.seed}:{policy_name}")
 
     n_clusters = len(specs)
-    states = [ClusterState(spec, block) for spec in specs]
+    sticky = config.sticky_engines
+    states = [cluster_state(spec, block, sticky=sticky) for spec in specs]
     member = [i < scenario.n_base for i in range(n_clusters)]
     alive = list(member)
     table = scenario.tables.tables[0]
@@ -194,6 +199,8 @@ def run_policy(
     templates = traffic.templates
     offsets = traffic.offsets
     sessions = traffic.sessions
+    # The processor's placement point per session: only clusters of several engines use it.
+    points = traffic.points.tolist() if any(sp.engines > 1 for sp in specs) else None
     ideal = traffic.ideal_cached
     t_keys, t_in, t_out, t_class = (
         traffic.t_keys,
@@ -242,7 +249,7 @@ def run_policy(
                 failures[crash_ix[c]].recovered_at = now
         else:
             if ev.kind is Kind.ADD:
-                states[c] = ClusterState(specs[c], block, now)
+                states[c] = cluster_state(specs[c], block, now, sticky)
             member[c] = alive[c] = ev.kind is Kind.ADD
             tab = scenario.tables.tables[scenario.epoch_after[ev_no]]
             view.table = tab
@@ -320,7 +327,9 @@ def run_policy(
         # A list, not a tuple: serve() only indexes and slices it, and building a tuple
         # would cost a second pass.
         keys: Sequence[int] = [k + off for k in t_keys[tp]] if off else t_keys[tp]
-        got, first, done = states[serve_c].serve(keys, t_in[tp], t_out[tp], now)
+        got, first, done = states[serve_c].serve(
+            keys, t_in[tp], t_out[tp], now, points[s] if points is not None else 0
+        )
         if ticket is not None:
             seq += 1
             heapq.heappush(releases, (done, seq, ticket))

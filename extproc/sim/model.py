@@ -65,8 +65,13 @@ class ClusterSpec:
     lanes: int
     max_concurrency: int
     weight: float
+    # Engines (replicas) the cluster is made of, each with its own KV cache and its share of
+    # the figures above (extproc.sim.engines); 1: one cache shared by every lane.
+    engines: int = 1
 
     def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError(f"cluster {self.name}: engines must be >= 1")
         if not (self.prefill_tps > 0 and self.decode_tps > 0 and self.weight > 0):
             raise ValueError(f"cluster {self.name}: rates and weight must be > 0")
         if self.kv_capacity_tokens < 1 or self.lanes < 1 or self.max_concurrency < 1:
@@ -92,6 +97,7 @@ class FleetShape:
     max_concurrency: int = 512
     weights: str = "equal"  # or "capacity": weight = prefill multiplier
     seed: int = 0
+    engines: int = 1  # per cluster (ClusterSpec.engines)
 
     def __post_init__(self) -> None:
         if self.clusters < 1 or self.spares < 0:
@@ -126,6 +132,7 @@ def build_fleet(
             lanes=shape.lanes,
             max_concurrency=shape.max_concurrency,
             weight=p.prefill if shape.weights == "capacity" else 1.0,
+            engines=shape.engines,
         )
         for i, p in enumerate(profiles)
     )
@@ -173,9 +180,15 @@ class ClusterState:
         return lo
 
     def serve(
-        self, keys: Sequence[int], prompt_tokens: int, output_tokens: int, now: float
+        self,
+        keys: Sequence[int],
+        prompt_tokens: int,
+        output_tokens: int,
+        now: float,
+        point: int = 0,
     ) -> tuple[int, float, float]:
-        """Admit one request: (cached tokens, first-token time, done time)."""
+        """Admit one request: (cached tokens, first-token time, done time). ``point`` (the
+        session's) chooses the engine of a cluster of several (extproc.sim.engines)."""
         cache = self.cache
         matched = self.match(keys)
         cached = min(matched * self.block, prompt_tokens)

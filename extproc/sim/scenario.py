@@ -58,6 +58,8 @@ class SimOptions:
     spill_wait_s: float = 2.0
     max_retries: int = 3
     seed: int = 0
+    # Clusters of several engines (shape.engines > 1): sessions stick to one engine, or not.
+    sticky_engines: bool = True
     # Refuse up front when the estimated peak memory exceeds this (None: half of this
     # machine's physical memory); jobs = worker processes that each run policies.
     memory_limit_bytes: int | None = None
@@ -206,7 +208,9 @@ def build(options: SimOptions, base: BaseTraffic | None = None) -> Prepared:
     else:
         events = tuple(parse_event(e, period) for e in options.events)
     scenario = prepare(traffic, clusters, shape.clusters, events)
-    config = SimConfig(classes, options.max_retries, options.spill_wait_s, options.seed)
+    config = SimConfig(
+        classes, options.max_retries, options.spill_wait_s, options.seed, options.sticky_engines
+    )
     # Bursts are windows of their own; an explicit window equal to one is reported once
     # (0.2T + 0.1T and 0.3T differ in the last bits, hence the rounding).
     spans = [b.window for b in bursts] + [parse_window(w, period) for w in options.windows]

@@ -1,0 +1,119 @@
+"""Engine choice through the pipeline: the picker's bounded load counts what it holds and gives
+it back on release; route mode sends the engine key; explain names the engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from prometheus_client import CollectorRegistry
+
+from extproc.config import compile_runtime, parse_config
+from extproc.core.endpoints import endpoint_order, engine_cap, engine_key
+from extproc.metrics import Metrics
+from extproc.pipeline.explain import explain_outcome
+from extproc.pipeline.outcomes import Routed
+from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
+
+CHAT = "/v1/chat/completions"
+ENGINES = 4
+
+
+def doc(mode: str, **engines: Any) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "processor": {"mode": mode},
+        "clusters": [
+            {"name": f"c{i}", "endpoints": [f"10.0.{i}.{j}:8000" for j in range(ENGINES)]}
+            for i in (1, 2)
+        ],
+        "engines": engines,
+    }
+
+
+def headers(sid: str) -> dict[str, str]:
+    return {
+        ":method": "POST",
+        ":path": CHAT,
+        "content-type": "application/json",
+        "x-session-id": sid,
+    }
+
+
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+
+def pipeline_for(mode: str, **engines: Any) -> tuple[Pipeline, CollectorRegistry]:
+    runtime = compile_runtime(parse_config(doc(mode, **engines)))
+    registry = CollectorRegistry()
+    return Pipeline(RuntimeHolder(runtime), Metrics(registry)), registry
+
+
+async def test_picker_bounds_a_hot_session_and_release_gives_the_slots_back() -> None:
+    pipeline, registry = pipeline_for("endpoint_picker", balance_factor=1.25)
+    held: list[Routed] = []
+    for _ in range(12):  # one hot session, nothing finishes
+        outcome = await pipeline.decide(headers("hot"), BODY, 1.0)
+        assert isinstance(outcome, Routed) and outcome.endpoints
+        held.append(outcome)
+    primary = held[0].route.placement.primary
+    engines = pipeline.runtime.endpoints[primary]
+    per_engine: dict[str, int] = {}
+    for outcome in held:
+        assert outcome.endpoints is not None
+        first = outcome.endpoints[0]
+        assert first in engines  # the spill stays inside the primary cluster
+        per_engine[first] = per_engine.get(first, 0) + 1
+    assert max(per_engine.values()) <= engine_cap(len(held) - 1, ENGINES, 1.25)
+    # The session's own engine is the most loaded one: it is the first choice until full.
+    point = held[0].facts.session.point
+    own = endpoint_order(point, engines)[0]
+    assert per_engine[own] == max(per_engine.values())
+    counted = registry.get_sample_value("fleet_engine_requests_total", {"engine": own})
+    assert counted == per_engine[own]
+    for outcome in held:
+        await pipeline.release(outcome.hold)
+        await pipeline.release(outcome.hold)  # idempotent
+    again = await pipeline.decide(headers("hot"), BODY, 2.0)
+    assert isinstance(again, Routed) and again.endpoints is not None
+    assert again.endpoints[0] == own  # everything given back: sticky again
+    explained = explain_outcome(pipeline.runtime, again)
+    assert explained["engine"] == {
+        "chosen_by": "processor rendezvous",
+        "engine": own,
+        "cluster_engines": list(engines),
+    }
+
+
+async def test_picker_without_a_bound_keeps_the_hot_session_on_one_engine() -> None:
+    pipeline, _ = pipeline_for("endpoint_picker", balance_factor=None)
+    firsts = set()
+    for _ in range(8):
+        outcome = await pipeline.decide(headers("hot"), BODY, 1.0)
+        assert isinstance(outcome, Routed) and outcome.endpoints
+        firsts.add(outcome.endpoints[0])
+    assert len(firsts) == 1
+
+
+async def test_picker_round_robin_spreads_a_session() -> None:
+    pipeline, _ = pipeline_for("endpoint_picker", affinity="round_robin")
+    firsts = set()
+    for _ in range(40):
+        outcome = await pipeline.decide(headers("s"), BODY, 1.0)
+        assert isinstance(outcome, Routed) and outcome.endpoints
+        firsts.add(outcome.endpoints[0])
+        await pipeline.release(outcome.hold)
+    assert len(firsts) == ENGINES
+
+
+async def test_route_mode_sends_the_engine_key_only_when_sticky() -> None:
+    pipeline, _ = pipeline_for("route")
+    outcome = await pipeline.decide(headers("alice"), BODY, 1.0)
+    assert isinstance(outcome, Routed) and outcome.endpoints is None
+    assert outcome.engine_key == engine_key(outcome.facts.session.digest)
+    explained = explain_outcome(pipeline.runtime, outcome)
+    assert explained["engine"]["chosen_by"] == "envoy maglev"  # type: ignore[index]
+    assert explained["engine"]["x-fleet-engine-key"] == outcome.engine_key  # type: ignore[index]
+    spread, _ = pipeline_for("route", affinity="round_robin")
+    plain = await spread.decide(headers("alice"), BODY, 1.0)
+    assert isinstance(plain, Routed) and plain.engine_key is None
