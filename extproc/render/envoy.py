@@ -108,13 +108,17 @@ def _inference_cluster(
                 }
             ],
         },
-        # Active checks find a dead cluster within ~1 s even when it gets no traffic.
+        # Active checks find a dead cluster within ~2 s even when it gets no traffic. Two failures,
+        # not one: with sessions sticking to engines a falsely failed check moves every session
+        # of the engine (one re-prefill each); single 0.5 s timeouts on a loaded machine did
+        # (observed, tests/e2e/test_engine_affinity.py). Requests to a dead engine meanwhile
+        # fail to connect and are retried on the secondary (_retry_policy).
         "health_checks": [
             {
                 "timeout": "0.5s",
                 "interval": "1s",
                 "no_traffic_interval": "1s",
-                "unhealthy_threshold": 1,
+                "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
                 "http_health_check": {"path": health_path},
             }
@@ -303,9 +307,10 @@ def _engine_lb(runtime: Runtime) -> Json:
     # healthy share x overprovisioning factor (default 1.4): with one of 3 engines down the
     # primary kept 93 % and 7 % of requests, chosen per request, went to the secondary
     # (observed on 1.40), scattering sessions. Any healthy engine now keeps the whole share,
-    # and the ring keeps each session on one of them. Panic routing is off for the same reason:
-    # below half healthy Envoy would spray the ring over dead engines too.
-    common: Json = {"healthy_panic_threshold": {"value": 0}}
+    # and the hash keeps each session on one of them. Panic routing stays (Envoy's 50 %): with
+    # panic off, health checks that timed out on a loaded machine left no host and answered
+    # 503 where panic routing would have reached a live engine (observed in test_failover).
+    common: Json = {}
     factor = runtime.config.engines.balance_factor
     if factor is not None:
         common["consistent_hashing_lb_config"] = {"hash_balance_factor": round(factor * 100)}

@@ -46,7 +46,6 @@ def test_sticky_engines_hash_each_cluster_on_the_engine_key(tmp_path: Path) -> N
         assert cluster["lb_policy"] == "MAGLEV"
         balance = cluster["common_lb_config"]["consistent_hashing_lb_config"]
         assert balance["hash_balance_factor"] == 125
-        assert cluster["common_lb_config"]["healthy_panic_threshold"] == {"value": 0}
         policy = cluster["load_assignment"]["policy"]
         assert policy["overprovisioning_factor"] >= 100 * 1000
     # The aggregates and the fallback (processor down: nothing to hash on) are not hashed.

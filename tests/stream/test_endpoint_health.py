@@ -1,0 +1,49 @@
+"""The picker's endpoint prober: a refused connection takes an endpoint out at once, a failed
+probe (timeout, error status) only at the second failure in a row."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from extproc.harness.launch import free_port
+from extproc.pipeline.endpoint_health import EndpointHealth
+
+
+async def test_refused_is_out_at_once_a_slow_probe_only_twice_in_a_row() -> None:
+    slow = {"on": False}
+
+    async def health(_request: web.Request) -> web.Response:
+        if slow["on"]:
+            await asyncio.sleep(1.0)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    # No keep-alive grace on cleanup: the prober holds a pooled connection to the server.
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    live = f"127.0.0.1:{port}"
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens
+    prober = EndpointHealth({"c1": (live, dead)}, {}, interval_s=3600, timeout_s=0.2)
+    try:
+        await prober.start()
+        assert prober.ready == frozenset({live})
+        slow["on"] = True
+        await prober.probe_all()
+        assert prober.ready == frozenset({live})  # one timeout: still ready
+        await prober.probe_all()
+        assert prober.ready == frozenset()  # the second in a row: out
+        slow["on"] = False
+        await prober.probe_all()
+        assert prober.ready == frozenset({live})  # one success: back
+        await runner.cleanup()  # now refused
+        await prober.probe_all()
+        assert prober.ready == frozenset()  # refused: out at once
+    finally:
+        await prober.close()
+        await runner.cleanup()
