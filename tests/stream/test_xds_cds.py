@@ -62,20 +62,35 @@ def test_union_keeps_the_old_clusters_until_the_second_step() -> None:
     assert "c3" not in {c["name"] for c in dynamic_clusters(new)}
 
 
-async def test_stream_serves_pushes_and_counts_acks() -> None:
-    registry = CollectorRegistry()
-    cds = ClusterDiscovery(registry)
-    cds.publish("v1", dynamic_clusters(runtime(2)))
-    server = grpc.aio.server()
-    cds_pb2_grpc.add_ClusterDiscoveryServiceServicer_to_server(cds, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    requests: asyncio.Queue[discovery_pb2.DiscoveryRequest | None] = asyncio.Queue()
+class CdsServer:
+    """A real gRPC server with the CDS service publishing v1 (two clusters), and the queue a
+    client's request stream is fed from (None ends it)."""
 
-    async def outgoing() -> AsyncIterator[discovery_pb2.DiscoveryRequest]:
-        while (item := await requests.get()) is not None:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.cds = ClusterDiscovery(self.registry)
+        self.cds.publish("v1", dynamic_clusters(runtime(2)))
+        self.server = grpc.aio.server()
+        cds_pb2_grpc.add_ClusterDiscoveryServiceServicer_to_server(self.cds, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.requests: asyncio.Queue[discovery_pb2.DiscoveryRequest | None] = asyncio.Queue()
+
+    async def outgoing(self) -> AsyncIterator[discovery_pb2.DiscoveryRequest]:
+        while (item := await self.requests.get()) is not None:
             yield item
 
+
+async def test_stream_serves_pushes_and_counts_acks() -> None:
+    srv = CdsServer()
+    registry, cds, server, port, requests = (
+        srv.registry,
+        srv.cds,
+        srv.server,
+        srv.port,
+        srv.requests,
+    )
+    outgoing = srv.outgoing
+    await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = cds_pb2_grpc.ClusterDiscoveryServiceStub(channel)
@@ -123,19 +138,10 @@ async def test_stream_serves_pushes_and_counts_acks() -> None:
 
 
 async def test_close_ends_open_streams_so_a_draining_server_can_stop() -> None:
-    registry = CollectorRegistry()
-    cds = ClusterDiscovery(registry)
-    cds.publish("v1", dynamic_clusters(runtime(2)))
-    server = grpc.aio.server()
-    cds_pb2_grpc.add_ClusterDiscoveryServiceServicer_to_server(cds, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    srv = CdsServer()
+    cds, server, port, requests = srv.cds, srv.server, srv.port, srv.requests
+    outgoing = srv.outgoing
     await server.start()
-    requests: asyncio.Queue[discovery_pb2.DiscoveryRequest | None] = asyncio.Queue()
-
-    async def outgoing() -> AsyncIterator[discovery_pb2.DiscoveryRequest]:
-        while (item := await requests.get()) is not None:
-            yield item
-
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = cds_pb2_grpc.ClusterDiscoveryServiceStub(channel).StreamClusters(outgoing())
         await requests.put(discovery_pb2.DiscoveryRequest(type_url=CLUSTER_TYPE_URL))
