@@ -460,10 +460,19 @@ class FleetStack:
             if s.name in names or s.cluster_name in names
         }
 
+        # Prefill-only clusters (P/D) are not in the fallback cluster: Envoy never sends them
+        # a request itself.
+        prefill = {
+            f"{LOOPBACK}:{s.port}"
+            for s in self.sim_specs.values()
+            if self.cluster_fields_by_name.get(s.cluster_name, {}).get("role") == "prefill"
+        }
+
         def check() -> bool:
             h = self.host_health()
             mine = [ok for (_cluster, addr), ok in h.items() if addrs.get(addr) is not None]
-            expected = 2 * len(addrs)  # its own Envoy cluster + the fallback cluster
+            # Its own Envoy cluster + the fallback cluster.
+            expected = sum(1 if a in prefill else 2 for a in addrs)
             return len(mine) >= expected and all(ok is healthy for ok in mine)
 
         wait_until(check, timeout, f"envoy to see {list(names)} healthy={healthy}", 0.1)

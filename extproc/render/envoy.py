@@ -569,6 +569,10 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
         for cluster in out:
             cluster.update(_engine_lb(runtime))
             cluster["load_assignment"]["policy"] = {"overprovisioning_factor": WHOLE_CLUSTER}
+    # Prefill-only clusters (P/D) take no request from Envoy: the decode pods' sidecar dials
+    # them. Leave them out of the fail-open fallback and of the (primary, secondary) pairs.
+    prefill_only = {c.name for c in runtime.config.clusters if c.role == "prefill"}
+    clusters = [c for c in clusters if c.name not in prefill_only]
     every_endpoint = [e for c in clusters for e in c.endpoints]
     owners = [c.name for c in clusters for _ in c.endpoints]
     fallback = _inference_cluster(

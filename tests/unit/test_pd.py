@@ -373,3 +373,15 @@ def test_explain_shows_the_prefiller_and_the_transfer_cost() -> None:
     assert str(prefill["endpoint"]).startswith("127.0.0.1:8")
     # ~2,500 tokens x 327,680 B over NVLink (900 GB/s): about a millisecond.
     assert 0.5 < float(str(prefill["kv_transfer_ms"])) < 2.0
+
+
+def test_envoy_sends_nothing_to_prefill_clusters_by_itself() -> None:
+    from extproc.render.envoy import FALLBACK_CLUSTER, render_bootstrap
+
+    runtime = compile_runtime(parse_config(pd_config(), "t.yaml"))
+    clusters = {c["name"]: c for c in render_bootstrap(runtime)["static_resources"]["clusters"]}
+    fallback = clusters[FALLBACK_CLUSTER]["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ports = {e["endpoint"]["address"]["socket_address"]["port_value"] for e in fallback}
+    assert ports == {8001, 8002}  # the decode clusters only, for fail-open
+    pairs = {n for n in clusters if "__" in n}
+    assert pairs == {"d1__d2", "d2__d1"}
