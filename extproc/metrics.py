@@ -174,9 +174,9 @@ class Metrics:
             ["cluster"],
             registry=registry,
         )
-        # Engine level (issue 22): known to the processor when it names the engine
-        # (endpoint-picker mode); in route mode Envoy's ring hash chooses it and the engine is
-        # named only by x-fleet-engine-key (explain).
+        # Engine level (issue 22): requests by the engine the processor named (endpoint-picker
+        # mode); usage by the host Envoy says served (upstream.address, any mode), else the
+        # picker's choice.
         self.engine_requests = Counter(
             "fleet_engine_requests",
             "Routed requests by the engine (endpoint) the processor chose first.",

@@ -67,6 +67,9 @@ class Hold:
     # Endpoint-picker mode: the engine counted in flight for the bounded-load choice (and
     # credited with the response's usage when inspected).
     engine: str | None = None
+    # Usage inspection: the engine credited with the response's tokens (the host Envoy says
+    # served, else the picker's first choice).
+    usage_engine: str | None = None
 
     @property
     def held(self) -> bool:

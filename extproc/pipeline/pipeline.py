@@ -633,7 +633,12 @@ class Pipeline:
         return self._owners[1]
 
     def observe_response(
-        self, hold: Hold, found: Mapping[str, str], now: float, envoy_served: str | None = None
+        self,
+        hold: Hold,
+        found: Mapping[str, str],
+        now: float,
+        envoy_served: str | None = None,
+        envoy_address: str | None = None,
     ) -> bool:
         """The response headers of a routed exchange arrived (``found``: the wanted ones;
         ``envoy_served``: the serving cluster Envoy named in its response attributes, see
@@ -665,6 +670,8 @@ class Pipeline:
             return False
         if served_by is not None:
             hold.usage_cluster = served_by
+        # The engine: Envoy's serving host (route mode: its Maglev chose it), else the picker's.
+        hold.usage_engine = envoy_address or hold.engine
         if found.get("content-type", "").startswith("text/event-stream"):
             hold.usage_scanner = SseUsageScanner(hold.api)
             return True
@@ -681,12 +688,12 @@ class Pipeline:
         if scanner is not None:
             scanner.feed(chunk)
             if end_of_stream:
-                self._account_usage(cluster, scanner.finish(), hold.engine)
+                self._account_usage(cluster, scanner.finish(), hold.usage_engine)
                 hold.usage_cluster = None
             response_id = scanner.response_id
         else:
             if end_of_stream:
-                self._account_usage(cluster, usage_from_body(hold.api, chunk), hold.engine)
+                self._account_usage(cluster, usage_from_body(hold.api, chunk), hold.usage_engine)
                 hold.usage_cluster = None
             response_id = response_id_from_body(chunk) if hold.link_session else None
         if response_id is not None and hold.link_session is not None:
@@ -716,8 +723,6 @@ class Pipeline:
         m.cost_dollars.labels(cluster).inc(prices.cost(usage))
         m.cache_savings_dollars.labels(cluster).inc(prices.saved(usage))
         if engine is not None:
-            # The engine chosen first; a retry onto the fallback engine is credited to it too,
-            # as the cluster is credited the primary unless the response names another.
             m.engine_input_tokens.labels(engine, "hit").inc(usage.cached_tokens)
             m.engine_input_tokens.labels(engine, "miss").inc(
                 max(0, usage.prompt_tokens - usage.cached_tokens)

@@ -53,6 +53,18 @@ def _metadata_cluster(text: str) -> str | None:
     return value.string_value or None
 
 
+def served_address(attributes: Mapping[str, object]) -> str | None:
+    """The serving host's ``ip:port`` (``upstream.address``), or None when Envoy did not say:
+    the engine that served, in every mode (issue 22: usage counted per engine)."""
+    struct = attributes.get(EXT_PROC_ATTRIBUTES_KEY)
+    if struct is None:
+        return None
+    address = getattr(struct, "fields", {}).get(UPSTREAM_ADDRESS_ATTRIBUTE)
+    if address is not None and address.WhichOneof("kind") == "string_value":
+        return str(address.string_value) or None
+    return None
+
+
 def served_cluster(
     attributes: Mapping[str, object], known: Container[str], owners: Mapping[str, str]
 ) -> str | None:

@@ -25,7 +25,7 @@ from extproc.core.api import BadRequest
 from extproc.pipeline.outcomes import Outcome, Passthrough, Rejected, Routed, Waiting
 from extproc.pipeline.pipeline import Pipeline, inference_api
 from extproc.protocol import responses
-from extproc.protocol.attributes import served_cluster
+from extproc.protocol.attributes import served_address, served_cluster
 from extproc.protocol.state import StreamState
 
 log = logging.getLogger("extproc.server")
@@ -235,7 +235,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         served = served_cluster(
             request.attributes, runtime.cluster_names, pipeline.endpoint_owners()
         )
-        stream = pipeline.observe_response(hold, found, self._clock(), served)
+        stream = pipeline.observe_response(
+            hold, found, self._clock(), served, served_address(request.attributes)
+        )
         await pipeline.charge_served(hold)
         if stream:
             return responses.STREAM_RESPONSE_HEADERS

@@ -117,3 +117,32 @@ async def test_route_mode_sends_the_engine_key_only_when_sticky() -> None:
     spread, _ = pipeline_for("route", affinity="round_robin")
     plain = await spread.decide(headers("alice"), BODY, 1.0)
     assert isinstance(plain, Routed) and plain.engine_key is None
+
+
+async def test_usage_is_counted_per_engine_envoy_names_the_serving_host() -> None:
+    runtime = compile_runtime(
+        parse_config({**doc("route"), "processor": {"mode": "route", "inspect_usage": True}})
+    )
+    registry = CollectorRegistry()
+    pipeline = Pipeline(RuntimeHolder(runtime), Metrics(registry))
+    outcome = await pipeline.decide(headers("alice"), BODY, 1.0)
+    assert isinstance(outcome, Routed)
+    served = "10.0.1.2:8000"  # Envoy's upstream.address: the engine its Maglev chose
+    hold = outcome.hold
+    assert not pipeline.observe_response(
+        hold, {"content-type": "application/json"}, 1.1, None, served
+    )
+    usage = {
+        "usage": {
+            "prompt_tokens": 10,
+            "completion_tokens": 3,
+            "prompt_tokens_details": {"cached_tokens": 4},
+        }
+    }
+    await pipeline.observe_response_body(hold, orjson.dumps(usage), True, 1.2)
+    value = registry.get_sample_value
+    assert value("fleet_engine_input_tokens_total", {"engine": served, "cache": "hit"}) == 4
+    assert value("fleet_engine_input_tokens_total", {"engine": served, "cache": "miss"}) == 6
+    assert value("fleet_engine_output_tokens_total", {"engine": served}) == 3
+    cost = value("fleet_engine_token_cost_dollars_total", {"engine": served})
+    assert cost is not None and cost > 0
