@@ -27,10 +27,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
             tmp_path_factory.mktemp("links"),
             clusters=4,
             processors=2,
+            # Four simulated clusters and two processors start at once: on a loaded machine a
+            # simulated cluster took longer than the default 20 s to answer /health.
+            sim_start_timeout_s=90.0,
             fleet_overrides={
                 "processor": {"inspect_usage": True},
                 "prefix": {"key": "chain"},
-                "redis": {"url": redis_server.url},
+                # A link reaches the other replica only through Redis: when a call times out
+                # Redis is left alone for a second and links stay in one replica's memory
+                # (the documented fail-open). At load average 25 the default 50 ms timed out.
+                "redis": {"url": redis_server.url, "timeout_ms": 2000},
             },
         )
         with fleet:
