@@ -15,19 +15,43 @@ itself, so that path skips the logarithm.
 
 The hash is a splitmix64 finaliser over (session point XOR cluster seed): pure 64-bit integer
 arithmetic, so the fleet simulator can evaluate the same function vectorised with numpy.
+
+Cost at hundreds of clusters (issue 21): a decision is O(N) hashes, and a Python loop pays
+~0.3 µs per cluster. Two things keep it flat in the common case, with the same results:
+
+- a bounded cache of recent session points → placement per ``Rendezvous``: sessions come back
+  every turn, and a config reload builds new ``Rendezvous`` objects, so a reload drops the
+  cache with the old placer (no stale placement can survive a change of clusters or weights);
+- a packed miss path: every cluster's seed sits in one 128-bit lane of one big integer, so the
+  whole splitmix64 over all N clusters is eleven big-integer operations (XOR, shift, AND with
+  a lane mask, multiply: a lane's 64-bit value times a 64-bit constant fits its 128 bits, so no
+  carry crosses lanes); the lanes are read back through a memoryview and compared with C-level
+  ``max``/``index``, which keeps the loop's tie rule (lower index wins on equal scores).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import neg, truediv
 
 MASK64 = (1 << 64) - 1
 MIX1 = 0xBF58476D1CE4E5B9
 MIX2 = 0x94D049BB133111EB
 _INV_2_53 = 1.0 / float(1 << 53)
+# Lane width of the packed path: a 64-bit value times a 64-bit constant needs 128 bits.
+_LANE = 128
+_LANE_BYTES = _LANE // 8
+# Below this many clusters the plain loop is as fast as the packed path (measured with
+# `extproc bench scale --decisions-only`).
+PACKED_MIN_CLUSTERS = 12
+# Recent session points remembered per placer (one dict entry and one Placement each,
+# ~150 bytes: ~10 MB at the default).
+DEFAULT_CACHE_SIZE = 1 << 16
 
 
 def mix64(x: int) -> int:
@@ -59,11 +83,132 @@ class Placement:
 
 
 @dataclass(frozen=True, slots=True)
+class _Level:
+    """A cut that keeps only a few lanes as candidates: lane i is one iff its hash z_i >= T_i.
+
+    ``add`` holds 2**64 - T_i in every lane, so bit 64 of (z_i + 2**64 - T_i) is the test (the
+    sum fits the 128-bit lane). ``floor``: every lane below its cut scores at most this, so the
+    candidates' top two are the fleet's when the second of them scores more.
+    """
+
+    add: int
+    floor: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Packed:
+    """The seeds in 128-bit lanes of one integer, and the constants the packed mix needs."""
+
+    n: int
+    ones: int  # 1 in every lane: point * ones repeats the point in every lane
+    seeds: int
+    mask64: int
+    mask53: int
+    levels: tuple[_Level, ...]
+
+    @classmethod
+    def of(cls, seeds: Sequence[int], weights: Sequence[float] | None) -> _Packed:
+        n = len(seeds)
+        ones = sum(1 << (_LANE * i) for i in range(n))
+        packed = sum(s << (_LANE * i) for i, s in enumerate(seeds))
+        levels = tuple(
+            level
+            for expected in _EXPECTED_CANDIDATES
+            if expected < n
+            for level in [_level(expected, n, weights)]
+        )
+        return cls(n, ones, packed, ones * MASK64, ones * ((1 << 53) - 1), levels)
+
+    def hashes(self, point: int) -> int:
+        """mix64(point ^ seed) in every lane: ``mix64`` step by step, masked per lane."""
+        m = self.mask64
+        x = self.seeds ^ (point * self.ones)
+        x ^= (x >> 30) & m
+        x = (x * MIX1) & m
+        x ^= (x >> 27) & m
+        x = (x * MIX2) & m
+        x ^= (x >> 31) & m
+        return x
+
+    def candidates(self, x: int) -> Iterator[tuple[list[int], float]]:
+        """For each level, the lanes at or above their cut (ascending), and the level's floor."""
+        size = self.n * _LANE_BYTES
+        for level in self.levels:
+            # One flag bit per lane at bit 0 of its first byte: bytes.find skips the zeros in C.
+            flags = (((x + level.add) >> 64) & self.ones).to_bytes(size, "little")
+            lanes: list[int] = []
+            at = flags.find(1)
+            while at >= 0:
+                lanes.append(at // _LANE_BYTES)
+                at = flags.find(1, at + 1)
+            if len(lanes) >= 2:
+                yield lanes, level.floor
+
+    def lanes(self, x: int) -> Sequence[int]:
+        """The low 64 bits of each lane (the high half is zero after masking)."""
+        if sys.byteorder == "little":
+            # The 'Q' cast reads native order, which is the order the lanes were written in.
+            return memoryview(x.to_bytes(self.n * _LANE_BYTES, "little")).cast("Q")[::2]
+        return [(x >> (_LANE * i)) & MASK64 for i in range(self.n)]  # pragma: no cover
+
+    def scores(self, point: int, weights: Sequence[float] | None) -> list[float]:
+        """``Rendezvous.scores``, bit for bit: the same float operations in the same order."""
+        x = self.hashes(point)
+        if weights is None:
+            return list(map(float, self.lanes(x)))
+        k = self.lanes((x >> 11) & self.mask53)
+        # weight / -log(((z >> 11) + 0.5) * 2**-53), as weighted_score computes it.
+        u = map(_INV_2_53.__mul__, map(float.__add__, map(float, k), repeat(0.5)))
+        return list(map(truediv, weights, map(neg, map(math.log, u))))
+
+
+# Candidates a cut keeps on average; a second, looser cut when the first keeps fewer than two
+# (e**-6 * 7 ≈ 1.7 % of decisions), then the full comparison.
+_EXPECTED_CANDIDATES = (6, 48)
+# Room for the float error of exp/log (~1e-16 relative) when a cut is computed in floats.
+_CUT_MARGIN = 1 << 16
+
+
+def _level(expected: int, n: int, weights: Sequence[float] | None) -> _Level:
+    if weights is None:
+        # Equal weights score float(z): a lane below T scores at most float(T) (rounding is
+        # monotone), so two candidates above float(T) are the top two.
+        cut = (1 << 64) - ((1 << 64) * expected) // n
+        add = sum(((1 << 64) - cut) << (_LANE * i) for i in range(n))
+        return _Level(add, float(cut))
+    # w / -ln(u) >= S  <=>  u >= exp(-w / S): a per-lane cut on the hash for one score S,
+    # chosen so that about ``expected`` lanes pass (P(lane passes) ≈ w / S).
+    score = sum(weights) / expected
+    add = 0
+    for i, w in enumerate(weights):
+        cut = max(0, int(math.exp(-w / score) * (1 << 64)) - _CUT_MARGIN)
+        add |= ((1 << 64) - cut) << (_LANE * i)
+    # A lane below its cut has u < exp(-w / S), so it scores below S; the factor covers the
+    # float error of the candidates' own scores.
+    return _Level(add, score * (1 + 1e-9))
+
+
+def _top2_of(scores: list[float]) -> tuple[int, int]:
+    """Indices of the best and second-best score; the lower index wins a tie (as the loop)."""
+    best = max(scores)
+    bi = scores.index(best)
+    if len(scores) == 1:
+        return bi, -1
+    scores[bi] = -1.0  # every score is >= 0
+    return bi, scores.index(max(scores))
+
+
+@dataclass(frozen=True, slots=True)
 class Rendezvous:
     names: tuple[str, ...]
     weights: tuple[float, ...]
+    cache_size: int = DEFAULT_CACHE_SIZE
+    # False: the plain loop at every size (the benchmark's baseline; same answers).
+    vectorise: bool = True
     seeds: tuple[int, ...] = field(init=False)
     equal: bool = field(init=False)
+    _packed: _Packed | None = field(init=False, repr=False, compare=False, hash=False)
+    _cache: dict[int, Placement] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -75,14 +220,23 @@ class Rendezvous:
             raise ValueError(f"duplicate cluster names in {self.names}")
         if not all(w > 0 for w in self.weights):
             raise ValueError(f"weights must be > 0, got {self.weights}")
+        if self.cache_size < 0:
+            raise ValueError(f"cache_size must be >= 0, got {self.cache_size}")
         object.__setattr__(self, "seeds", tuple(cluster_seed(n) for n in self.names))
         object.__setattr__(self, "equal", len(set(self.weights)) == 1)
+        wide = self.vectorise and len(self.names) >= PACKED_MIN_CLUSTERS
+        weights = None if len(set(self.weights)) == 1 else self.weights
+        packed = _Packed.of(self.seeds, weights) if wide else None
+        object.__setattr__(self, "_packed", packed)
+        object.__setattr__(self, "_cache", {})
 
     @classmethod
     def of(cls, clusters: Sequence[tuple[str, float]]) -> Rendezvous:
         return cls(tuple(n for n, _ in clusters), tuple(w for _, w in clusters))
 
     def scores(self, point: int) -> list[float]:
+        if self._packed is not None:
+            return self._packed.scores(point, None if self.equal else self.weights)
         if self.equal:
             return [float(mix64(point ^ s)) for s in self.seeds]
         return [
@@ -90,7 +244,37 @@ class Rendezvous:
             for s, w in zip(self.seeds, self.weights, strict=True)
         ]
 
+    @property
+    def cached(self) -> int:
+        """How many session points the cache holds now."""
+        return len(self._cache)
+
     def top2(self, point: int) -> Placement:
+        """The session's (primary, secondary): from the cache of recent points, else computed."""
+        cache = self._cache
+        hit = cache.get(point)
+        if hit is not None:
+            return hit
+        placed = self.top2_uncached(point)
+        if self.cache_size:
+            if len(cache) >= self.cache_size:
+                # Oldest first (insertion order): a session that keeps coming back is re-added
+                # after its eviction at the cost of one miss.
+                del cache[next(iter(cache))]
+            cache[point] = placed
+        return placed
+
+    def top2_uncached(self, point: int) -> Placement:
+        packed = self._packed
+        if packed is not None:
+            # Score only the few lanes above a cut, in index order with the loop's rule; fall
+            # back to every score when the cut cannot prove the answer (rare).
+            for lanes, floor in packed.candidates(packed.hashes(point)):
+                bi, si, second = self._top2_among(point, lanes)
+                if second > floor:
+                    return Placement(self.names[bi], self.names[si])
+            bi, si = _top2_of(self.scores(point))
+            return Placement(self.names[bi], self.names[si] if si >= 0 else None)
         best = second = -1.0
         bi = si = -1
         if self.equal:
@@ -108,6 +292,18 @@ class Rendezvous:
                 elif sc > second:
                     second, si = sc, i
         return Placement(self.names[bi], self.names[si] if si >= 0 else None)
+
+    def _top2_among(self, point: int, lanes: Sequence[int]) -> tuple[int, int, float]:
+        best = second = -1.0
+        bi = si = -1
+        for i in lanes:
+            z = mix64(point ^ self.seeds[i])
+            sc = float(z) if self.equal else weighted_score(z, self.weights[i])
+            if sc > best:
+                second, si, best, bi = best, bi, sc, i
+            elif sc > second:
+                second, si = sc, i
+        return bi, si, second
 
     def ranked(self, point: int) -> list[str]:
         """All clusters in this session's preference order (for spill and hot-key spreading)."""

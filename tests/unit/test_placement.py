@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from extproc.core.placement import Placement, Rendezvous
+from extproc.core.placement import (
+    PACKED_MIN_CLUSTERS,
+    Placement,
+    Rendezvous,
+    cluster_seed,
+    mix64,
+    weighted_score,
+)
 
 KEYS = 100_000
 
@@ -224,3 +231,66 @@ def test_ranked_starts_with_primary_then_secondary() -> None:
 def test_invalid_fleets_are_refused(clusters: list[tuple[str, float]], why: str) -> None:
     with pytest.raises(ValueError, match=why):
         Rendezvous.of(clusters)
+
+
+# --- issue 21: the packed miss path and the cache give the loop's answers --------------------
+
+
+@functools.cache
+def seeds_of(names_: tuple[str, ...]) -> tuple[int, ...]:
+    return tuple(cluster_seed(n) for n in names_)
+
+
+def reference_top2(names_: tuple[str, ...], weights: tuple[float, ...], point: int) -> Placement:
+    """The definition, written out: highest score first, the lower index on a tie."""
+    equal_weights = len(set(weights)) == 1
+    seeds = seeds_of(names_)
+    scores = [
+        float(mix64(point ^ s)) if equal_weights else weighted_score(mix64(point ^ s), w)
+        for s, w in zip(seeds, weights, strict=True)
+    ]
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return Placement(names_[order[0]], names_[order[1]])
+
+
+@pytest.mark.parametrize("n", [PACKED_MIN_CLUSTERS, 64, 512], ids=lambda n: f"{n}-clusters")
+@pytest.mark.parametrize("weighted", [False, True], ids=["equal", "weighted"])
+def test_the_packed_path_places_exactly_as_the_definition(n: int, weighted: bool) -> None:
+    rng = random.Random(n)
+    weights = tuple(rng.choice((0.25, 1.0, 2.0, 3.5)) for _ in range(n)) if weighted else (1.0,) * n
+    placer = Rendezvous(names(n), weights)
+    for p in points(600, seed=n):
+        assert placer.top2_uncached(p) == reference_top2(names(n), weights, p)
+    # ranked() shares the packed scores: its head is the same pair.
+    p = points(1, seed=n + 1)[0]
+    reference = reference_top2(names(n), weights, p)
+    assert placer.ranked(p)[:2] == [reference.primary, reference.secondary]
+
+
+def test_the_cache_answers_as_computed_and_stays_bounded() -> None:
+    placer = Rendezvous(names(64), (1.0,) * 64, cache_size=100)
+    keys = points(250, seed=7)
+    for p in keys:
+        assert placer.top2(p) == placer.top2_uncached(p)
+        assert placer.top2(p) == placer.top2_uncached(p)  # the second answer is the cached one
+        assert placer.cached <= 100
+    assert placer.cached == 100
+    uncached = Rendezvous(names(64), (1.0,) * 64, cache_size=0)
+    assert [uncached.top2(p) for p in keys] == [placer.top2(p) for p in keys]
+    assert uncached.cached == 0
+
+
+def test_a_reloaded_fleet_places_from_its_own_clusters_not_the_old_cache() -> None:
+    """A reload builds new placers (config/runtime.py): nothing cached by the old one leaks."""
+    before = equal(64)
+    keys = points(2000, seed=9)
+    old = [before.top2(p) for p in keys]
+    gone = old[0].primary
+    after = Rendezvous.of([(n, 1.0) for n in names(64) if n != gone])
+    for p, was in zip(keys, old, strict=True):
+        now = after.top2(p)
+        assert gone not in (now.primary, now.secondary)
+        if was.primary == gone:
+            assert now.primary == was.secondary
+        else:
+            assert now.primary == was.primary
