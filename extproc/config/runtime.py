@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from extproc.config.label_secret import resolve_label_secret
-from extproc.config.schema import AffinityConfig, FleetConfig
+from extproc.config.schema import AffinityConfig, FleetConfig, ProcessorConfig
 from extproc.core.affinity import AffinityParams
 from extproc.core.chains import ChainParams, ChainSketch
 from extproc.core.decide import Policy
@@ -70,7 +70,7 @@ class Runtime:
     label_secret_source: str = "process"  # file | env | process (extproc.config.label_secret)
     redis: RedisSettings = field(default_factory=RedisSettings)
     prices: Prices = field(default_factory=Prices)
-    endpoint_picker: bool = False  # processor.mode == "endpoint_picker"
+    endpoint_picker: bool = False  # processor.mode, auto resolved (picks_endpoints)
     # Engine choice inside a cluster (fleet.yaml engines; extproc.core.endpoints).
     engines: EngineChoice = field(default_factory=EngineChoice)
     inspect_usage: bool = False
@@ -167,7 +167,7 @@ def compile_runtime(
             replicas=cfg.redis.replicas,
         ),
         prices=Prices(cfg.prices.cached_input, cfg.prices.uncached_input, cfg.prices.output),
-        endpoint_picker=cfg.processor.mode == "endpoint_picker",
+        endpoint_picker=picks_endpoints(cfg.processor, len(clusters)),
         engines=EngineChoice(
             sticky=cfg.engines.affinity == "sticky",
             balance=cfg.engines.balance_factor,
@@ -197,6 +197,14 @@ def compile_runtime(
         flow_redis_poll_s=cfg.flow.redis_poll_ms / 1000,
         flow_redis_notices=cfg.flow.redis_notices,
     )
+
+
+def picks_endpoints(processor: ProcessorConfig, n_clusters: int) -> bool:
+    """The data path a mode means for a fleet of ``n_clusters``: the pool (endpoint picking)
+    or the (primary, secondary) aggregate clusters. auto takes the pool above the crossover."""
+    if processor.mode == "auto":
+        return n_clusters > processor.pool_above_clusters
+    return processor.mode == "endpoint_picker"
 
 
 def with_sketch(runtime: Runtime, sketch: ChainSketch) -> Runtime:

@@ -73,7 +73,11 @@ class ProcessorConfig(Strict):
     # endpoint_picker: act as a Gateway API Inference Extension Endpoint Picker — name the
     # primary's endpoint then the secondary's in x-gateway-destination-endpoint and in the
     # envoy.lb dynamic metadata; 503 when no endpoint is ready.
-    mode: Literal["route", "endpoint_picker"] = "route"
+    # auto: route up to pool_above_clusters clusters, endpoint_picker above. The pair design's
+    # Envoy config grows as N·(N-1) aggregate clusters (1.6 s to ready and 285 MB RSS at 64
+    # clusters, minutes and GBs at 256); the pool's grows linearly (BENCHMARKS.md, Scale).
+    mode: Literal["route", "endpoint_picker", "auto"] = "auto"
+    pool_above_clusters: int = Field(default=32, ge=1)
     # Read the upstream's token usage (cached vs uncached input, output) from responses for the
     # cost metrics. Costs one more ext_proc exchange per response (two or more for streams):
     # off by default, measured by `extproc bench overhead --inspect-usage`.

@@ -176,6 +176,9 @@ class FleetStack:
     dynamic_cds: bool = False
     # Envoy gets its clusters from the processor over gRPC CDS (extproc serve --xds-cds).
     xds_cds: bool = False
+    # Simulated clusters served by one process (each on its own port, with its own name):
+    # large fleets on one machine. Killing or restarting one of them takes its whole group.
+    sims_per_process: int = 1
     # How long a processor keeps taking new streams after SIGTERM (serve --drain-delay). None:
     # none with one replica (no other replica to move them to), else 3.5 s: Envoy's extproc
     # health checks (every 1 s, 1 s timeout, two failures) have seen NOT_SERVING by then.
@@ -195,6 +198,8 @@ class FleetStack:
     # our own processes must never be given the same one.
     _ports: set[int] = field(default_factory=set, init=False)
     envoy_path: Path = field(default=Path(), init=False)
+    # First member -> the simulated clusters its process serves (sims_per_process).
+    _sim_groups: dict[str, tuple[str, ...]] = field(default_factory=dict, init=False)
 
     # ----- config -------------------------------------------------------------------------
     def fleet_config(self) -> dict[str, Any]:
@@ -278,6 +283,7 @@ class FleetStack:
                 if attempt == attempts - 1:
                     raise
                 self.sims.clear()
+                self._sim_groups.clear()
                 self.sim_specs.clear()
                 self.procs.clear()
                 self.metrics_ports.clear()
@@ -306,8 +312,11 @@ class FleetStack:
                 self.sim_specs[spec.name] = spec
         self.write_configs()
         try:
-            for spec in self.sim_specs.values():
-                self.start_sim(spec.name)
+            names = list(self.sim_specs)
+            step = max(1, self.sims_per_process)
+            for i in range(0, len(names), step):
+                self._sim_groups[names[i]] = tuple(names[i : i + step])
+                self.start_sim(names[i])
             for spec in self.sim_specs.values():
                 wait_until(
                     lambda p=spec.port: _ok(p, "/health"),
@@ -323,8 +332,21 @@ class FleetStack:
             raise
         return self
 
+    def sim_group(self, name: str) -> tuple[str, ...]:
+        """The simulated clusters that share ``name``'s process (first: the one it was
+        started by)."""
+        for group in self._sim_groups.values():
+            if name in group:
+                return group
+        return (name,)
+
     def start_sim(self, name: str) -> Proc:
+        group = self.sim_group(name)
+        name = group[0]
         spec = self.sim_specs[name]
+        extra = [
+            f"--extra={self.sim_specs[n].cluster_name}={self.sim_specs[n].port}" for n in group[1:]
+        ]
         proc = Proc(
             f"sim-{name}",
             [
@@ -337,13 +359,15 @@ class FleetStack:
                 *(["--engine-id", spec.name] if spec.cluster else []),
                 "--port",
                 str(spec.port),
+                *extra,
                 *spec.args,
                 *(("--fleet", str(self.fleet_path)) if self.sims_read_fleet else ()),
             ],
             self.workdir / f"sim-{name}.log",
         )
         proc.start()
-        self.sims[name] = proc
+        for member in group:
+            self.sims[member] = proc
         return proc
 
     def restart_sim(self, name: str, timeout: float = 20) -> None:
@@ -351,8 +375,9 @@ class FleetStack:
         if old is not None:
             old.stop()
         self.start_sim(name)
-        port = self.sim_specs[name].port
-        wait_until(lambda: _ok(port, "/health"), timeout, f"sim cluster {name} restart")
+        for member in self.sim_group(name):
+            port = self.sim_specs[member].port
+            wait_until(lambda p=port: _ok(p, "/health"), timeout, f"sim cluster {member} restart")
 
     @property
     def cds_path(self) -> Path:
@@ -452,13 +477,14 @@ class FleetStack:
 
     def wait_healthy(self, names: Sequence[str], healthy: bool = True, timeout: float = 20) -> None:
         """Wait until Envoy sees these clusters' hosts as (un)healthy, in their own Envoy
-        cluster and in the fallback cluster that holds every endpoint. A name is a cluster (all
-        its engines) or one engine process."""
+        cluster and in the fallback cluster that holds every endpoint (the pool data path has
+        only the pool). A name is a cluster (all its engines) or one engine process."""
         addrs = {
             f"{LOOPBACK}:{s.port}": s.name
             for s in self.sim_specs.values()
             if s.name in names or s.cluster_name in names
         }
+        per_host = 1 if load_runtime(self.fleet_path).endpoint_picker else 2
 
         # Prefill-only clusters (P/D) are not in the fallback cluster: Envoy never sends them
         # a request itself.
@@ -471,8 +497,9 @@ class FleetStack:
         def check() -> bool:
             h = self.host_health()
             mine = [ok for (_cluster, addr), ok in h.items() if addrs.get(addr) is not None]
-            # Its own Envoy cluster + the fallback cluster.
-            expected = sum(1 if a in prefill else 2 for a in addrs)
+            # Its own Envoy cluster + the fallback cluster; the pool design has only the pool,
+            # which holds no prefill-only cluster.
+            expected = sum((per_host - 1 if a in prefill else per_host) for a in addrs)
             return len(mine) >= expected and all(ok is healthy for ok in mine)
 
         wait_until(check, timeout, f"envoy to see {list(names)} healthy={healthy}", 0.1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
@@ -13,7 +14,7 @@ from typing import Any
 
 from extproc.harness.engine_formats import SIM_ENGINES
 from extproc.harness.kvmodel import ClusterParams
-from extproc.harness.sim_cluster import SimClusterConfig, start_sim_cluster
+from extproc.harness.sim_cluster import RunningSimCluster, SimClusterConfig, start_sim_cluster
 from extproc.harness.sim_pd import PdSimCluster, pd_sim_config
 
 
@@ -38,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-output", type=int, default=64, help="cap on output tokens")
     parser.add_argument("--access-log", action="store_true", help="log every request")
+    parser.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        metavar="NAME=PORT",
+        help="one more simulated cluster in this process, same parameters; repeatable (large "
+        "fleets on one machine: 64 clusters need not be 64 processes)",
+    )
     parser.add_argument(
         "--engine",
         choices=SIM_ENGINES,
@@ -70,24 +79,48 @@ def config_from_args(args: argparse.Namespace) -> SimClusterConfig:
     )
 
 
+def extra_clusters(values: list[str]) -> list[tuple[str, int]]:
+    out: list[tuple[str, int]] = []
+    for value in values:
+        name, sep, port = value.rpartition("=")
+        if not sep or not name or not port.isdigit():
+            raise ValueError(f"--extra wants NAME=PORT, got {value!r}")
+        out.append((name, int(port)))
+    return out
+
+
 async def serve(args: argparse.Namespace) -> None:
     config = config_from_args(args)
     cluster = None
     if args.fleet is not None:
         cluster = PdSimCluster(config, pd_sim_config(args.fleet, args.name))
-    running = await start_sim_cluster(
-        config, host=args.host, port=args.port, access_log=args.access_log, cluster=cluster
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    # One parseable line on stdout: harnesses that start us with --port 0 read the port here.
-    print(f"sim-cluster {running.name} listening on {running.url}", flush=True)
+    extras = [
+        (dataclasses.replace(config, name=name), port) for name, port in extra_clusters(args.extra)
+    ]
+    running: list[RunningSimCluster] = []
     try:
+        running.append(
+            await start_sim_cluster(
+                config, host=args.host, port=args.port, access_log=args.access_log, cluster=cluster
+            )
+        )
+        for extra, port in extras:
+            running.append(
+                await start_sim_cluster(
+                    extra, host=args.host, port=port, access_log=args.access_log
+                )
+            )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        # One parseable line per cluster: harnesses that start us with --port 0 read it here.
+        for one in running:
+            print(f"sim-cluster {one.name} listening on {one.url}", flush=True)
         await stop.wait()
     finally:
-        await running.close()
+        for one in running:
+            await one.close()
         if cluster is not None:
             await cluster.close_client()
 
@@ -107,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         config_from_args(args)
         if args.fleet is not None:
             pd_sim_config(args.fleet, args.name)
+        extra_clusters(args.extra)
     except ValueError as exc:
         print(f"extproc sim-cluster: {exc}", file=sys.stderr)
         return 2

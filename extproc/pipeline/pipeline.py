@@ -573,13 +573,11 @@ class Pipeline:
         """Endpoint-picker mode: the endpoints to try, in order (None in route mode)."""
         if not runtime.endpoint_picker:
             return None
-        hashed = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
         # The decided (primary, secondary) first — pure hashing's own top two unless affinity
         # moved the session — then the rest in hash order for when neither has a ready endpoint.
         head = [route.placement.primary]
         if route.placement.secondary is not None:
             head.append(route.placement.secondary)
-        ranked = head + [c for c in hashed if c not in head]
         ready = (
             self._endpoint_health.ready
             if self._endpoint_health
@@ -591,10 +589,11 @@ class Pipeline:
             # round_robin: a per-request point (a counter, mixed) spreads the session.
             self._engine_draws += 1
             point = mix64(point ^ self._engine_draws)
-        return tuple(
-            pick_endpoints(
+
+        def pick(clusters: list[str]) -> list[str]:
+            return pick_endpoints(
                 point,
-                ranked,
+                clusters,
                 runtime.endpoints,
                 ready,
                 2,
@@ -602,7 +601,14 @@ class Pipeline:
                 engines.balance,
                 engines.min_inflight,
             )
-        )
+
+        picked = pick(head)
+        if len(picked) == 2:
+            # Both have a ready endpoint: the rest of the order cannot change the answer, and
+            # ranking every cluster costs O(N) per request (issue 21).
+            return tuple(picked)
+        hashed = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
+        return tuple(pick(head + [c for c in hashed if c not in head]))
 
     @property
     def asks_load_reports(self) -> bool:

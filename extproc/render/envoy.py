@@ -4,8 +4,13 @@ Every setting here was verified against Envoy 1.40 (ARCHITECTURE.md, "Decisions"
 comments say why each one is needed. Three modes share listeners, clusters and health checks so
 that benchmarks compare like with like:
 
-- ``extproc``: the processor decides (route by ``x-fleet-route`` to a (primary, secondary)
-  aggregate cluster; fallback route over all clusters when the processor is down);
+- ``extproc``: the processor decides. Two data paths (``processor.mode``; auto picks by fleet
+  size, see ``config.runtime.picks_endpoints``):
+  - pairs: route by ``x-fleet-route`` to a (primary, secondary) aggregate cluster, N·(N-1) of
+    them; fallback route over all clusters when the processor is down;
+  - pool (endpoint picker): one pool cluster holding every endpoint, each fleet cluster a
+    locality of it; the processor names the primary's endpoint then the secondary's and
+    Envoy's override_host policy tries them in order. Linear in clusters and endpoints.
 - ``round_robin``: Envoy alone, round robin over every endpoint of every cluster;
 - ``ring_hash``: Envoy alone, consistent hashing on the session header (Envoy-native stickiness,
   no body inspection, no budgets).
@@ -248,8 +253,10 @@ def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     if opts.mode == "ring_hash":
         header = runtime.config.session.header or "x-session-id"
         fallback["route"]["hash_policy"] = [{"header": {"header_name": header}}]
-    if opts.mode != "extproc" or _picks_endpoints(runtime):
+    if opts.mode != "extproc" or runtime.config.processor.mode == "endpoint_picker":
         # Endpoint-picker mode routes everything to the pool; the picker chooses the host.
+        # (auto keeps the header route too, so a reload that crosses the crossover changes
+        # only the CDS clusters, never the listener.)
         return [fallback]
     by_header = {
         "match": {"prefix": "/", "headers": [{"name": ROUTE_HEADER, "present_match": True}]},
@@ -319,7 +326,40 @@ def _engine_lb(runtime: Runtime) -> Json:
 
 
 def _picks_endpoints(runtime: Runtime) -> bool:
-    return runtime.config.processor.mode == "endpoint_picker"
+    """The pool data path: the processor names endpoints (auto resolved by fleet size)."""
+    return runtime.endpoint_picker
+
+
+def _may_pick_endpoints(runtime: Runtime) -> bool:
+    """The processor may name endpoints under this config, now or after a reload (auto):
+    the bootstrap keeps what the pool needs, so only the CDS clusters differ between designs."""
+    return runtime.config.processor.mode != "route"
+
+
+def _pool(runtime: Runtime, opts: EnvoyOptions) -> Json:
+    """The pool data path's one cluster: every endpoint, one locality per fleet cluster.
+
+    The locality (sub_zone = the fleet cluster's name) is what keeps per-cluster visibility in
+    one Envoy cluster: /clusters lists each host with it, health flags and counters, and with
+    per-endpoint stats each host is a labelled series. Health checks and outlier detection are
+    per host, as in the per-cluster clusters. Localities carry no weights, so with no picked
+    host (processor down, fail-open) the fallback policy balances over every host.
+    """
+    # Prefill-only clusters (P/D) take no request from Envoy (see _clusters).
+    prefill_only = {c.name for c in runtime.config.clusters if c.role == "prefill"}
+    clusters = [c for c in runtime.clusters if c.name not in prefill_only]
+    pool = _inference_cluster(FALLBACK_CLUSTER, [], clusters[0].health_path, opts)
+    pool["load_assignment"]["endpoints"] = [
+        {
+            "locality": {"sub_zone": c.name},
+            "lb_endpoints": [tag_endpoint(_endpoint(e, opts), c.name) for e in c.endpoints],
+        }
+        for c in clusters
+    ]
+    del pool["lb_policy"]
+    pool["load_balancing_policy"] = _override_host_policy()
+    pool["track_cluster_stats"] = {"per_endpoint_stats": True}
+    return pool
 
 
 def _override_host_policy() -> Json:
@@ -378,7 +418,7 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
     extra: Json = {}
     if proc.inspect_usage:
         extra["allow_mode_override"] = True
-    if _picks_endpoints(runtime):
+    if _may_pick_endpoints(runtime):
         # Without this Envoy silently drops the envoy.lb metadata the picker returns.
         extra["metadata_options"] = {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
     extra.update(_wait_timer(runtime))
@@ -563,6 +603,9 @@ def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
 
 
 def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
+    if opts.mode == "extproc" and _picks_endpoints(runtime):
+        # The pool data path: no per-cluster clusters and no pairs; nothing routes to them.
+        return [_pool(runtime, opts), _extproc_cluster(runtime, opts)]
     clusters: list[Cluster] = list(runtime.clusters)
     out = [_inference_cluster(c.name, list(c.endpoints), c.health_path, opts) for c in clusters]
     if _sticky_engines(runtime, opts):
@@ -585,63 +628,65 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
         lb_endpoints = fallback["load_assignment"]["endpoints"][0]["lb_endpoints"]
         for lb_endpoint, key in zip(lb_endpoints, keys, strict=True):
             lb_endpoint["metadata"]["filter_metadata"]["envoy.lb"] = {"hash_key": key}
-    if opts.mode == "extproc" and _picks_endpoints(runtime):
+    if opts.mode == "extproc" and _may_pick_endpoints(runtime):
+        # auto below the crossover: the fallback is the pool a reload may start using.
         del fallback["lb_policy"]
         fallback["load_balancing_policy"] = _override_host_policy()
     out.append(fallback)
     if opts.mode == "extproc":
-        if not _picks_endpoints(runtime):
-            out.extend(_aggregate(p.name, s.name) for p, s in itertools.permutations(clusters, 2))
-        proc = runtime.config.processor
-        replicas = opts.extproc_endpoints or (f"{proc.address}:{proc.port}",)
-        out.append(
-            {
-                "name": EXTPROC_CLUSTER,
-                "type": "STRICT_DNS",
-                "dns_lookup_family": "V4_PREFERRED",
-                "connect_timeout": "0.25s",
-                "load_assignment": {
-                    "cluster_name": EXTPROC_CLUSTER,
-                    "endpoints": [{"lb_endpoints": [_endpoint(e, opts) for e in replicas]}],
-                },
-                # Several processor replicas may sit behind this name (compose aliases, a
-                # headless Service): drop a dead one fast via the gRPC health service, and
-                # eject one that resets streams, instead of failing requests open. A draining
-                # replica answers NOT_SERVING: within 2 x interval + timeout = 3 s (< its
-                # processor.drain_delay_s) new streams go to the others while its open streams
-                # continue (Envoy closes no connection on a failed health check). Two failures,
-                # not one, and a 1 s timeout: a replica that answers one check slowly (a busy
-                # machine) is not marked down; when every replica looked down at once, Envoy's
-                # panic routing sent a stream to a replica that was really gone (observed).
-                "health_checks": [
-                    {
-                        "timeout": "1s",
-                        "interval": "1s",
-                        "no_traffic_interval": "1s",
-                        "unhealthy_threshold": 2,
-                        "healthy_threshold": 1,
-                        "grpc_health_check": {},
-                    }
-                ],
-                "outlier_detection": {
-                    "consecutive_gateway_failure": 1,
-                    "enforcing_consecutive_gateway_failure": 100,
-                    "consecutive_5xx": 5,
-                    "enforcing_consecutive_5xx": 0,
-                    "interval": "1s",
-                    "base_ejection_time": "5s",
-                    "max_ejection_percent": 50,
-                },
-                # ext_proc is gRPC: the cluster must speak HTTP/2.
-                "typed_extension_protocol_options": {
-                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                        "@type": ext_type("upstreams.http.v3.HttpProtocolOptions"),
-                        "explicit_http_config": {"http2_protocol_options": {}},
-                    }
-                },
-            }
-        )
+        out.extend(_aggregate(p.name, s.name) for p, s in itertools.permutations(clusters, 2))
+        out.append(_extproc_cluster(runtime, opts))
     return out
+
+
+def _extproc_cluster(runtime: Runtime, opts: EnvoyOptions) -> Json:
+    proc = runtime.config.processor
+    replicas = opts.extproc_endpoints or (f"{proc.address}:{proc.port}",)
+    return {
+        "name": EXTPROC_CLUSTER,
+        "type": "STRICT_DNS",
+        "dns_lookup_family": "V4_PREFERRED",
+        "connect_timeout": "0.25s",
+        "load_assignment": {
+            "cluster_name": EXTPROC_CLUSTER,
+            "endpoints": [{"lb_endpoints": [_endpoint(e, opts) for e in replicas]}],
+        },
+        # Several processor replicas may sit behind this name (compose aliases, a
+        # headless Service): drop a dead one fast via the gRPC health service, and
+        # eject one that resets streams, instead of failing requests open. A draining
+        # replica answers NOT_SERVING: within 2 x interval + timeout = 3 s (< its
+        # processor.drain_delay_s) new streams go to the others while its open streams
+        # continue (Envoy closes no connection on a failed health check). Two failures,
+        # not one, and a 1 s timeout: a replica that answers one check slowly (a busy
+        # machine) is not marked down; when every replica looked down at once, Envoy's
+        # panic routing sent a stream to a replica that was really gone (observed).
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": "1s",
+                "no_traffic_interval": "1s",
+                "unhealthy_threshold": 2,
+                "healthy_threshold": 1,
+                "grpc_health_check": {},
+            }
+        ],
+        "outlier_detection": {
+            "consecutive_gateway_failure": 1,
+            "enforcing_consecutive_gateway_failure": 100,
+            "consecutive_5xx": 5,
+            "enforcing_consecutive_5xx": 0,
+            "interval": "1s",
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 50,
+        },
+        # ext_proc is gRPC: the cluster must speak HTTP/2.
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": ext_type("upstreams.http.v3.HttpProtocolOptions"),
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+    }
 
 
 def _overload_manager(runtime: Runtime) -> Json:

@@ -1,0 +1,384 @@
+"""``extproc bench scale``: the two data paths at 16 to 512 clusters (issue 21).
+
+For each fleet size and endpoints per cluster, and for each design —
+
+- ``pairs``: one aggregate cluster per ordered (primary, secondary) pair, N·(N-1) of them
+  (``processor.mode: route``);
+- ``pool``: one pool cluster holding every endpoint, override_host picks the processor's
+  endpoints (``processor.mode: endpoint_picker``) —
+
+it renders the Envoy bootstrap + CDS file (file-based CDS, as ``extproc serve --envoy-cds``
+runs it), starts a real Envoy on it and reports: config size, render time, Envoy's start to
+``/ready``, Envoy's RSS once ready, the time for one added cluster to be applied (the CDS file
+rewritten with N+1 clusters until Envoy counts the update and has no cluster warming), and the
+processor's decision time at that size (rendezvous placement: the plain loop, the packed miss
+path, a cache hit; and the whole ``Pipeline.decide`` per request on repeating sessions).
+
+The endpoints are loopback ports nothing listens on: Envoy's health checks fail fast
+(connection refused), which costs Envoy what a fleet of dead hosts costs; no request is sent.
+The pairs design takes minutes and GBs from 256 clusters on (issue 21): runs above
+``--pairs-max-clusters`` are skipped and listed as such, and any Envoy not ready within
+``--ready-timeout`` is stopped and reported as a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from prometheus_client import CollectorRegistry
+
+from extproc.config.load import parse_config
+from extproc.config.runtime import Runtime, compile_runtime
+from extproc.core.placement import Rendezvous
+from extproc.harness.launch import LOOPBACK, Proc, envoy_binary, free_port, http_get
+from extproc.ledger.gate import build_gate
+from extproc.metrics import Metrics
+from extproc.pipeline.endpoint_health import EndpointHealth
+from extproc.pipeline.outcomes import Routed
+from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
+from extproc.reliability.probes import rss_bytes
+from extproc.render.envoy import EnvoyOptions
+from extproc.render.envoy_dynamic import split_bootstrap, write_atomically
+
+Design = Literal["pairs", "pool"]
+DESIGNS: tuple[Design, ...] = ("pairs", "pool")
+MODE_OF: dict[Design, str] = {"pairs": "route", "pool": "endpoint_picker"}
+# Endpoint ports: a block nothing on this machine listens on by default (below the Linux
+# ephemeral range, 32768+).
+FIRST_ENDPOINT_PORT = 20000
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", type=_ints, default=[16, 64, 128, 256, 512])
+    parser.add_argument("--endpoints", type=_ints, default=[1, 8], help="endpoints per cluster")
+    parser.add_argument(
+        "--designs", type=lambda t: [d for d in t.split(",") if d], default=list(DESIGNS)
+    )
+    parser.add_argument(
+        "--pairs-max-clusters",
+        type=int,
+        default=128,
+        help="skip the pairs design above this many clusters (256: ~4 min and ~3.5 GB)",
+    )
+    parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument("--reload-timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument(
+        "--decisions-only", action="store_true", help="only the processor's decision times"
+    )
+    parser.add_argument("--requests", type=int, default=2000, help="decide() calls per size")
+    parser.add_argument("--workdir", default=None, help="keep configs and logs here")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+
+
+@dataclass
+class EnvoyRow:
+    design: Design
+    clusters: int
+    endpoints: int
+    envoy_clusters: int = 0
+    config_bytes: int = 0
+    render_s: float = 0.0
+    ready_s: float | None = None
+    rss_mb: float | None = None
+    reload_s: float | None = None
+    rss_after_reload_mb: float | None = None
+    skipped: str | None = None
+
+
+@dataclass
+class DecisionRow:
+    clusters: int
+    loop_us: float
+    miss_us: float
+    hit_us: float
+    decide_us: dict[str, float] = field(default_factory=dict)
+
+
+def fleet_doc(n: int, per: int, design: Design, ports: Sequence[int]) -> dict[str, Any]:
+    listener, admin, grpc = ports
+    return {
+        "version": 1,
+        "listener": {"address": LOOPBACK, "port": listener, "admin_port": admin},
+        "processor": {
+            "address": LOOPBACK,
+            "port": grpc,
+            "metrics_port": 0,
+            "mode": MODE_OF[design],
+        },
+        "clusters": [
+            {
+                "name": f"c{i:03d}",
+                "endpoints": [
+                    f"{LOOPBACK}:{FIRST_ENDPOINT_PORT + i * per + j}" for j in range(per)
+                ],
+            }
+            for i in range(n)
+        ],
+    }
+
+
+def runtime_of(doc: dict[str, Any]) -> Runtime:
+    return compile_runtime(parse_config(doc))
+
+
+def render(runtime: Runtime, workdir: Path) -> tuple[bytes, bytes, int]:
+    """(bootstrap JSON, CDS JSON, Envoy clusters in the CDS)."""
+    cds_path = workdir / "cds.json"
+    bootstrap, cds = split_bootstrap(runtime, str(cds_path), EnvoyOptions(access_log_path=None))
+    return orjson.dumps(bootstrap), orjson.dumps(cds), len(cds["resources"])
+
+
+def _stats(admin: int, pattern: str) -> dict[str, int]:
+    _status, body = http_get(admin, f"/stats?filter={pattern}", timeout=10)
+    out: dict[str, int] = {}
+    for line in body.decode().splitlines():
+        name, sep, value = line.partition(": ")
+        if sep and value.strip().lstrip("-").isdigit():
+            out[name.strip()] = int(value)
+    return out
+
+
+CDS_STATS = r"^cluster_manager\.(cds\.update_success|cds\.update_rejected|warming_clusters)$"
+
+
+def _ready(admin: int) -> bool:
+    try:
+        return http_get(admin, "/ready", timeout=2)[0] == 200
+    except OSError:
+        return False
+
+
+def measure_envoy(
+    n: int, per: int, design: Design, workdir: Path, ready_timeout: float, reload_timeout: float
+) -> EnvoyRow:
+    row = EnvoyRow(design, n, per)
+    ports = [free_port() for _ in range(3)]
+    t0 = time.perf_counter()
+    runtime = runtime_of(fleet_doc(n, per, design, ports))
+    bootstrap, cds, row.envoy_clusters = render(runtime, workdir)
+    row.render_s = time.perf_counter() - t0
+    row.config_bytes = len(bootstrap) + len(cds)
+    (workdir / "bootstrap.json").write_bytes(bootstrap)
+    write_atomically(workdir / "cds.json", cds.decode())
+    argv = [
+        envoy_binary(),
+        "-c",
+        str(workdir / "bootstrap.json"),
+        "--disable-hot-restart",
+        "--concurrency",
+        "1",
+        "--log-level",
+        "error",
+    ]
+    envoy = Proc("envoy", argv, workdir / "envoy.log")
+    admin = ports[1]
+    start = time.perf_counter()
+    envoy.start()
+    try:
+        while not _ready(admin):
+            if not envoy.alive:
+                raise RuntimeError(f"envoy exited:\n{envoy.log_text()[-2000:]}")
+            if time.perf_counter() - start > ready_timeout:
+                row.skipped = f"not ready within {ready_timeout:g} s"
+                return row
+            time.sleep(0.05)
+        row.ready_s = time.perf_counter() - start
+        assert envoy.popen is not None
+        row.rss_mb = rss_bytes(envoy.popen.pid) / 1e6
+        row.reload_s = _reload(n, per, design, ports, workdir, admin, reload_timeout)
+        row.rss_after_reload_mb = rss_bytes(envoy.popen.pid) / 1e6
+        return row
+    finally:
+        envoy.stop(timeout=30)
+
+
+def _reload(
+    n: int, per: int, design: Design, ports: Sequence[int], workdir: Path, admin: int, limit: float
+) -> float | None:
+    """One more cluster through the CDS file: seconds until Envoy has applied it."""
+    before = _stats(admin, CDS_STATS)
+    _b, cds, _count = render(runtime_of(fleet_doc(n + 1, per, design, ports)), workdir)
+    start = time.perf_counter()
+    write_atomically(workdir / "cds.json", cds.decode())
+    while time.perf_counter() - start < limit:
+        now = _stats(admin, CDS_STATS)
+        if now.get("cluster_manager.cds.update_rejected", 0) > before.get(
+            "cluster_manager.cds.update_rejected", 0
+        ):
+            raise RuntimeError(f"Envoy rejected the CDS update ({design}, {n + 1} clusters)")
+        done = now.get("cluster_manager.cds.update_success", 0) > before.get(
+            "cluster_manager.cds.update_success", 0
+        )
+        if done and now.get("cluster_manager.warming_clusters", 1) == 0:
+            return time.perf_counter() - start
+        time.sleep(0.02)
+    return None
+
+
+def _per_call_us(fn: Any, args: Sequence[Any]) -> float:
+    start = time.perf_counter()
+    for a in args:
+        fn(a)
+    return (time.perf_counter() - start) / len(args) * 1e6
+
+
+def placement_times(n: int, samples: int = 2000, repeats: int = 3) -> tuple[float, float, float]:
+    """(plain loop, packed miss path, cache hit) µs per top2 at ``n`` equal-weight clusters,
+    each the best of ``repeats`` passes (the machine may be shared: the least disturbed pass)."""
+    rng = random.Random(n)
+    points = [rng.getrandbits(64) for _ in range(samples)]
+    names = tuple(f"c{i:03d}" for i in range(n))
+    loop = Rendezvous(names, (1.0,) * n, cache_size=0, vectorise=False)
+    loop_us = min(_per_call_us(loop.top2, points) for _ in range(repeats))
+    miss_us = hit_us = float("inf")
+    for _ in range(repeats):
+        packed = Rendezvous(names, (1.0,) * n)  # a new placer: every point is a miss
+        miss_us = min(miss_us, _per_call_us(packed.top2, points))
+        hit_us = min(hit_us, _per_call_us(packed.top2, points))
+    return loop_us, miss_us, hit_us
+
+
+def _chat(session: int, turn: int) -> tuple[dict[str, str], bytes]:
+    messages = [{"role": "user", "content": f"turn {t} of a conversation"} for t in range(turn + 1)]
+    body = orjson.dumps({"model": "m", "messages": messages, "max_tokens": 16})
+    headers = {
+        ":method": "POST",
+        ":path": "/v1/chat/completions",
+        "content-type": "application/json",
+        "x-session-id": f"scale-{session}",
+    }
+    return headers, body
+
+
+async def decide_us(runtime: Runtime, requests: int) -> float:
+    """Mean µs of ``Pipeline.decide`` (admission included) on sessions of five turns each."""
+    registry = CollectorRegistry()
+    gate = build_gate(runtime, registry, time.monotonic, random.Random(0))
+    # As `extproc serve` runs the pool design: a prober's ready set (here: every endpoint, not
+    # probed; building the set per request would be the benchmark's cost, not the processor's).
+    health = EndpointHealth(runtime.endpoints, {c.name: c.health_path for c in runtime.clusters})
+    health.ready = frozenset(e for eps in runtime.endpoints.values() for e in eps)
+    pipeline = Pipeline(
+        RuntimeHolder(runtime),
+        Metrics(registry),
+        gate,
+        endpoint_health=health if runtime.endpoint_picker else None,
+    )
+    work = [_chat(i // 5, i % 5) for i in range(requests)]
+    try:
+        took = 0.0
+        for headers, body in work:
+            start = time.perf_counter()
+            outcome = await pipeline.decide(headers, body, time.monotonic())
+            took += time.perf_counter() - start
+            if isinstance(outcome, Routed):
+                await pipeline.release(outcome.hold)
+        return took / len(work) * 1e6
+    finally:
+        await pipeline.aclose()
+        await gate.close()
+
+
+def measure_decisions(n: int, designs: Sequence[Design], requests: int) -> DecisionRow:
+    loop_us, miss_us, hit_us = placement_times(n)
+    row = DecisionRow(n, loop_us, miss_us, hit_us)
+    for design in designs:
+        runtime = runtime_of(fleet_doc(n, 8, design, (1, 2, 3)))
+        row.decide_us[design] = asyncio.run(decide_us(runtime, requests))
+    return row
+
+
+def _fmt(value: float | None, unit: str = "", digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}{unit}"
+
+
+def envoy_table(rows: Sequence[EnvoyRow]) -> str:
+    lines = [
+        "| design | clusters x endpoints | Envoy clusters | config | render | ready | RSS "
+        "| +1 cluster reload | RSS after reload |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        head = f"| {r.design} | {r.clusters} x {r.endpoints} |"
+        if r.skipped and r.ready_s is None and not r.config_bytes:
+            lines.append(f"{head} - | - | - | skipped: {r.skipped} | - | - | - |")
+            continue
+        lines.append(
+            f"{head} {r.envoy_clusters:,} | {r.config_bytes / 1e6:.2f} MB | {r.render_s:.2f} s "
+            f"| {_fmt(r.ready_s, ' s', 2) if r.ready_s is not None else r.skipped} "
+            f"| {_fmt(r.rss_mb, ' MB', 0)} | {_fmt(r.reload_s, ' s', 2)} "
+            f"| {_fmt(r.rss_after_reload_mb, ' MB', 0)} |"
+        )
+    return "\n".join(lines)
+
+
+def decision_table(rows: Sequence[DecisionRow], designs: Sequence[Design]) -> str:
+    lines = [
+        "| clusters | top2 loop | top2 packed (miss) | top2 cache hit | "
+        + " | ".join(f"decide(), {d}" for d in designs)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(designs),
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.clusters} | {r.loop_us:.1f} µs | {r.miss_us:.1f} µs | {r.hit_us:.2f} µs | "
+            + " | ".join(f"{r.decide_us[d]:.0f} µs" for d in designs)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    designs: list[Design] = [d for d in DESIGNS if d in args.designs]
+    unknown = set(args.designs) - set(DESIGNS)
+    if unknown:
+        print(f"extproc bench scale: unknown design(s) {sorted(unknown)}; use {DESIGNS}")
+        return 2
+    decisions = [measure_decisions(n, designs, args.requests) for n in args.sizes]
+    print("Decision time (µs per call; placement: equal weights; decide(): 8 endpoints/cluster)")
+    print(decision_table(decisions, designs), flush=True)
+    envoy_rows: list[EnvoyRow] = []
+    if not args.decisions_only:
+        root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-scale-"))
+        for per in args.endpoints:
+            for n in args.sizes:
+                for design in designs:
+                    if design == "pairs" and n > args.pairs_max_clusters:
+                        row = EnvoyRow(design, n, per)
+                        row.skipped = f"above --pairs-max-clusters {args.pairs_max_clusters}"
+                    else:
+                        workdir = root / f"{design}-{n}x{per}"
+                        workdir.mkdir(parents=True, exist_ok=True)
+                        row = measure_envoy(
+                            n, per, design, workdir, args.ready_timeout, args.reload_timeout
+                        )
+                    envoy_rows.append(row)
+                    print(json.dumps(asdict(row)), flush=True)
+        print()
+        print("Envoy (1 worker thread, file-based CDS; endpoints refuse connections)")
+        print(envoy_table(envoy_rows))
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "decisions": [asdict(r) for r in decisions],
+                    "envoy": [asdict(r) for r in envoy_rows],
+                },
+                indent=2,
+            )
+        )
+    return 0
