@@ -143,7 +143,12 @@ def render(runtime: Runtime, workdir: Path) -> tuple[bytes, bytes, int]:
 
 
 def _stats(admin: int, pattern: str) -> dict[str, int]:
-    _status, body = http_get(admin, f"/stats?filter={pattern}", timeout=10)
+    """Envoy's counters matching ``pattern``; empty when the admin port did not answer in time
+    (an Envoy busy applying tens of thousands of clusters answers late: the caller polls)."""
+    try:
+        _status, body = http_get(admin, f"/stats?filter={pattern}", timeout=10)
+    except OSError:
+        return {}
     out: dict[str, int] = {}
     for line in body.decode().splitlines():
         name, sep, value = line.partition(": ")
@@ -210,7 +215,9 @@ def _reload(
     n: int, per: int, design: Design, ports: Sequence[int], workdir: Path, admin: int, limit: float
 ) -> float | None:
     """One more cluster through the CDS file: seconds until Envoy has applied it."""
-    before = _stats(admin, CDS_STATS)
+    before: dict[str, int] = {}
+    while not before:
+        before = _stats(admin, CDS_STATS)
     _b, cds, _count = render(runtime_of(fleet_doc(n + 1, per, design, ports)), workdir)
     start = time.perf_counter()
     write_atomically(workdir / "cds.json", cds.decode())
