@@ -216,7 +216,10 @@ def _reload(
 ) -> float | None:
     """One more cluster through the CDS file: seconds until Envoy has applied it."""
     before: dict[str, int] = {}
+    deadline = time.perf_counter() + limit
     while not before:
+        if time.perf_counter() > deadline:
+            return None
         before = _stats(admin, CDS_STATS)
     _b, cds, _count = render(runtime_of(fleet_doc(n + 1, per, design, ports)), workdir)
     start = time.perf_counter()
