@@ -131,10 +131,16 @@ def test_a_failing_health_check_excludes_the_cluster_and_its_return_restores_it(
         wait_until(lambda: primary_now() != endpoint, 20, "the prober to exclude the endpoint")
         # Envoy's own per-host health check in the pool sees it too.
         wait_until(lambda: envoy_sees(False), 20, "Envoy's health check to fail the host")
+        served: collections.Counter[str] = collections.Counter()
         for _ in range(20):
             status, hdrs, data = client.post_json(CHAT, body, headers)
             assert status == 200, (data[:200], dump_logs(fleet64))
-            assert hdrs["x-served-by"] == placement.secondary
+            served[hdrs["x-served-by"]] += 1
+        # Never the excluded cluster. Normally all on the secondary; on a loaded machine one of
+        # the prober's 0.5 s probes of the secondary can time out, and the picker then names
+        # the next cluster in the session's order for that round (seen once in four runs).
+        assert placement.primary not in served, served
+        assert served[placement.secondary] > 0, served
     finally:
         fault.post_json("/admin/fault", b'{"mode": "none"}')
         fault.close()
