@@ -36,6 +36,8 @@ def fleet64(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         clusters=CLUSTERS,
         sims_per_process=16,
         dynamic_cds=True,
+        # Four processes of 16 servers start at once; on a loaded machine that took over 20 s.
+        sim_start_timeout_s=90,
         access_log=False,
     )
     with stack:
