@@ -148,6 +148,10 @@ class MemoryLedger:
         return []
 
     async def usage(self, cluster: str, class_name: str, limits: Limits) -> LedgerAnswer:
+        return self.usage_now(cluster, class_name, limits)
+
+    def usage_now(self, cluster: str, class_name: str, limits: Limits) -> LedgerAnswer:
+        """The compartment as it is (reserves nothing), synchronously."""
         now = self._clock()
         comp = self._compartment(cluster, class_name)
         return comp.answer(False, None, comp.refill(limits, now), now)

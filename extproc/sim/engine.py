@@ -10,6 +10,12 @@ reserve on the simulated clock → ``verdict``) answers with a ticket, a 413, or
 ``retry-after`` the simulated client honours (up to ``max_retries`` times). Tickets are
 released when the request finishes (its decode ends), as the ext_proc stream would end then.
 
+A policy that waits (``Policy.waits``, the gateway's flow control, extproc/core/flow.py) puts a
+request refused everywhere into its primary's (cluster, class) ``FairQueue`` when the estimated
+wait (``queued_wait``, counting the queue ahead) fits its class's ``SimConfig.waits``; a
+release lets the queue's heads in, in order, while the ledger admits them; a waiter still
+queued at its deadline gets the 429 with the hint for its position (and retries like any 429).
+
 Events are exact, not time-stepped: each request's whole timeline is fixed when it is admitted
 (``model.ClusterState.serve``), so there is nothing to advance between arrivals.
 """
@@ -21,11 +27,16 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from random import Random
+from types import MappingProxyType
 
 import numpy as np
 import numpy.typing as npt
 
+from extproc.core.admission import Demand, Reject, Ticket, plan, queued_wait, verdict
+from extproc.core.decide import Route
 from extproc.core.fleet import RequestClass
+from extproc.core.flow import FairQueue, QueueVerdict, WaitPolicy, queue_decision
+from extproc.core.placement import Placement
 from extproc.ledger.memory import MemoryLedger
 from extproc.pipeline.admission import admit_first_fit
 from extproc.sim.engines import cluster_state
@@ -116,6 +127,18 @@ def prepare(
     return Scenario(traffic, clusters, n_base, ordered, tables, after)
 
 
+def default_waits() -> Mapping[str, WaitPolicy]:
+    """Flow control's waits in the simulator: short requests barely wait, longer ones may
+    wait tens of seconds (the values ARCHITECTURE.md recommends)."""
+    return MappingProxyType(
+        {
+            "short": WaitPolicy(0.5, 64),
+            "medium": WaitPolicy(30.0, 64),
+            "long": WaitPolicy(30.0, 64),
+        }
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     classes: tuple[RequestClass, ...]  # budgets apply only to the bulkhead policies
@@ -125,6 +148,8 @@ class SimConfig:
     # Clusters of several engines: each session sticks to one (the processor's choice), or
     # requests go round robin over them (Envoy's default inside a cluster).
     sticky_engines: bool = True
+    # Per class, for the policies that wait (Policy.waits): how long and how many may wait.
+    waits: Mapping[str, WaitPolicy] = field(default_factory=default_waits)
 
 
 @dataclass(slots=True)
@@ -260,68 +285,99 @@ def run_policy(
 
     releases: list[tuple[float, int, object]] = []
     retries: list[tuple[float, int, int, int]] = []
+    # Flow control (policy.waits): per (cluster, class) queues of request indices, and each
+    # waiter's deadline; queued[i] = (compartment, queue id, attempt).
+    waits = policy.waits and bulkheads
+    queues: dict[tuple[str, str], FairQueue[int]] = {}
+    deadlines: list[tuple[float, int, int]] = []
+    queued: dict[int, tuple[tuple[str, str], int, int]] = {}
     seq = 0
     ai = 0
     done_count = 0
     route = policy.route
     spill = policy.spill
-    while True:
-        if retries and (ai >= n or retries[0][0] < times[ai]):
-            now, _, i, attempt = heapq.heappop(retries)
-        elif ai < n:
-            i = ai
-            now = times[ai]
-            attempt = 0
-            ai += 1
-            done_count += 1
-            if progress is not None and not done_count % PROGRESS_EVERY:
-                progress(done_count)
+
+    def refuse(i: int, refusal: Reject, attempt: int, now: float) -> None:
+        nonlocal seq
+        if refusal.status == 429 and attempt < config.max_retries:
+            rejections[i] += 1
+            seq += 1
+            wait = float(refusal.retry_after_s or 1)
+            heapq.heappush(retries, (now + wait, seq, i, attempt + 1))
         else:
-            break
-        while releases and releases[0][0] <= now:
+            if refusal.status == 429:
+                rejections[i] += 1
+            status[i] = GAVE_UP_429 if refusal.status == 429 else TOO_LARGE_413
+
+    def demand_of(i: int, cluster: str) -> Demand | Reject | None:
+        klass = classes[t_class[templates[i]]]
+        return plan(t_in[templates[i]], Route(Placement(cluster, None), klass))
+
+    def enqueue(i: int, cluster: str, refusal: Reject, attempt: int, now: float) -> None:
+        """After a 429 everywhere: wait on the primary's queue, or the 429 (hint counted
+        behind the queue) when the queue is full or the estimated wait too long."""
+        nonlocal seq
+        klass = classes[t_class[templates[i]]]
+        policy_w = config.waits.get(klass.name, WaitPolicy())
+        demand = demand_of(i, cluster)
+        if refusal.status != 429 or not policy_w.enabled or isinstance(demand, Reject):
+            refuse(i, refusal, attempt, now)
+            return
+        assert demand is not None and not isinstance(demand, Reject)
+        key = (cluster, klass.name)
+        q = queues.get(key)
+        if q is None:
+            q = queues[key] = FairQueue()
+        answer = ledger.usage_now(cluster, klass.name, demand.limits)
+        ahead, ahead_tokens = len(q), q.tokens
+        estimate = queued_wait(demand, answer, ahead, ahead_tokens)
+        if queue_decision(policy_w, ahead, estimate) is QueueVerdict.WAIT:
+            qid = q.push(i, "", 1.0, t_in[templates[i]])
+            queued[i] = (key, qid, attempt)
+            seq += 1
+            heapq.heappush(deadlines, (now + policy_w.max_wait_s, seq, i))
+            return
+        hinted = verdict(demand, answer, retry_rng, ahead, ahead_tokens)
+        assert isinstance(hinted, Reject)
+        refuse(i, hinted, attempt, now)
+
+    def drain(key: tuple[str, str], now: float) -> None:
+        """Budget freed on ``key``: queue heads take it, in order, while it admits them."""
+        q = queues.get(key)
+        while q is not None:
+            head = q.head()
+            if head is None:
+                return
+            demand = demand_of(head, key[0])
+            assert isinstance(demand, Demand)  # only budgeted requests are queued
+            answer = ledger.reserve_now(demand)
+            if not answer.granted or answer.ticket is None:
+                return
+            q.pop()
+            del queued[head]
+            serve_c = index[key[0]]
+            if not alive[serve_c]:
+                status[head] = NO_CLUSTER
+                ledger.release_now(answer.ticket)
+                continue
+            start(head, serve_c, answer.ticket, now)
+
+    def release_until(t: float) -> None:
+        while releases and releases[0][0] <= t:
             rel_t, _, ticket = heapq.heappop(releases)
             clock[0] = rel_t
-            ledger.release_now(ticket)  # type: ignore[arg-type]
-        clock[0] = now
-        while ev_i < n_ev and ev_times[ev_i] <= now:
-            apply(ev_i, ev_times[ev_i])
-            ev_i += 1
+            assert isinstance(ticket, Ticket)
+            ledger.release_now(ticket)
+            if queued:
+                drain((ticket.cluster, ticket.class_name), rel_t)
 
+    def start(i: int, serve_c: int, ticket: object, now: float) -> None:
+        nonlocal seq
         s = sessions[i]
         tp = templates[i]
-        new = not seen[s]
-        cands = route(view, s, new, now)
-        if not cands:
-            status[i] = NO_CLUSTER
-            continue
-        serve_c = cands[0][0]
-        ticket = None
-        if bulkheads:
-            klass = classes[t_class[tp]]
-            if klass.budget.enforced:
-                tried = cands if spill(new) else cands[:1]
-                admission = admit_first_fit(
-                    ledger, t_in[tp], klass, [names[charge] for _sc, charge in tried], retry_rng
-                )
-                ticket = admission.ticket
-                chosen = tried[admission.index][0] if admission.index >= 0 else -1
-                if chosen < 0:
-                    refusal = admission.refusal
-                    assert refusal is not None
-                    if refusal.status == 429 and attempt < config.max_retries:
-                        rejections[i] += 1
-                        seq += 1
-                        wait = float(refusal.retry_after_s or 1)
-                        heapq.heappush(retries, (now + wait, seq, i, attempt + 1))
-                    else:
-                        if refusal.status == 429:
-                            rejections[i] += 1
-                        status[i] = GAVE_UP_429 if refusal.status == 429 else TOO_LARGE_413
-                    continue
-                serve_c = chosen
-        if new:
+        if not seen[s]:
             seen[s] = 1
-            if spill(new):
+            if spill(True):
                 policy.placed(view, s, serve_c)
         off = offsets[i]
         # A list, not a tuple: serve() only indexes and slices it, and building a tuple
@@ -354,10 +410,115 @@ def run_policy(
             last_on[s] = serve_c
             last_t[s] = now
 
-    # Releases still pending at the end are requests that finish after the last arrival.
-    for rel_t, _, ticket in sorted(releases, key=lambda r: r[0]):
-        clock[0] = rel_t
-        ledger.release_now(ticket)  # type: ignore[arg-type]
+    def verdict_for_queue(i: int, cluster: str) -> Reject:
+        """The 429 of a request that found others waiting on ``cluster`` (or its 413)."""
+        demand = demand_of(i, cluster)
+        if isinstance(demand, Reject):
+            return demand
+        assert demand is not None
+        answer = ledger.usage_now(cluster, demand.class_name, demand.limits)
+        refused = verdict(demand, answer, retry_rng)
+        assert isinstance(refused, Reject)
+        return refused
+
+    def expire_next() -> None:
+        """The earliest waiter's deadline: past it, a 429 with the hint for its position."""
+        now, _, i = heapq.heappop(deadlines)
+        release_until(now)
+        clock[0] = now
+        found = queued.pop(i, None)
+        if found is None:
+            return  # admitted before its deadline
+        key, qid, attempt = found
+        q = queues[key]
+        ahead, ahead_tokens = q.ahead_of(qid)
+        q.remove(qid)
+        demand = demand_of(i, key[0])
+        assert demand is not None and not isinstance(demand, Reject)
+        answer = ledger.usage_now(key[0], key[1], demand.limits)
+        timed_out = verdict(demand, answer, retry_rng, ahead, ahead_tokens)
+        assert isinstance(timed_out, Reject)
+        refuse(i, timed_out, attempt, now)
+        drain(key, now)  # the head may have changed
+
+    def decide(i: int, now: float, attempt: int) -> None:
+        s = sessions[i]
+        tp = templates[i]
+        new = not seen[s]
+        cands = route(view, s, new, now)
+        if not cands:
+            status[i] = NO_CLUSTER
+            return
+        serve_c = cands[0][0]
+        ticket = None
+        if bulkheads:
+            klass = classes[t_class[tp]]
+            if klass.budget.enforced:
+                tried = cands if spill(new) else cands[:1]
+                charges = [names[charge] for _sc, charge in tried]
+                waiting_here = waits and queues.get((charges[0], klass.name))
+                if waiting_here:
+                    # Others wait on the primary: join behind them (placement still first).
+                    admission = admit_first_fit(ledger, t_in[tp], klass, charges[1:], retry_rng)
+                    chosen = tried[admission.index + 1][0] if admission.index >= 0 else -1
+                else:
+                    admission = admit_first_fit(ledger, t_in[tp], klass, charges, retry_rng)
+                    chosen = tried[admission.index][0] if admission.index >= 0 else -1
+                ticket = admission.ticket
+                if chosen < 0:
+                    refusal = admission.refusal
+                    if refusal is None:  # nothing tried: only the queue was in the way
+                        refusal = verdict_for_queue(i, charges[0])
+                    if waits:
+                        enqueue(i, charges[0], refusal, attempt, now)
+                    else:
+                        refuse(i, refusal, attempt, now)
+                    return
+                serve_c = chosen
+        start(i, serve_c, ticket, now)
+
+    inf = math.inf
+    while True:
+        next_retry = retries[0][0] if retries else inf
+        next_arrival = times[ai] if ai < n else inf
+        next_deadline = deadlines[0][0] if deadlines else inf
+        if next_deadline < inf and next_deadline <= min(next_retry, next_arrival):
+            expire_next()
+            continue
+        if next_retry < inf and next_retry < next_arrival:
+            now, _, i, attempt = heapq.heappop(retries)
+        elif ai < n:
+            i = ai
+            now = times[ai]
+            attempt = 0
+            ai += 1
+            done_count += 1
+            if progress is not None and not done_count % PROGRESS_EVERY:
+                progress(done_count)
+        else:
+            break
+        release_until(now)
+        clock[0] = now
+        while ev_i < n_ev and ev_times[ev_i] <= now:
+            apply(ev_i, ev_times[ev_i])
+            ev_i += 1
+        decide(i, now, attempt)
+
+    # Releases still pending at the end are requests that finish after the last arrival;
+    # they admit waiters, and waiters time out (a retry after the last arrival still runs).
+    while releases or deadlines or retries:
+        next_release = releases[0][0] if releases else inf
+        next_deadline = deadlines[0][0] if deadlines else inf
+        next_retry = retries[0][0] if retries else inf
+        if next_deadline <= min(next_release, next_retry):
+            expire_next()
+        elif next_retry <= next_release:
+            now, _, i, attempt = heapq.heappop(retries)
+            release_until(now)
+            clock[0] = now
+            decide(i, now, attempt)
+        else:
+            release_until(next_release)
     if progress is not None:
         progress(done_count)
     spilled = getattr(policy, "spilled", 0)

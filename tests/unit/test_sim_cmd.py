@@ -52,7 +52,7 @@ def test_simulate_writes_table_json_and_png(
     summary = json.loads(out_json.read_text())
     assert set(summary["policies"]) == {
         "round-robin", "least-loaded", "hash-primary", "hash-2", "hash-2+bulkheads",
-        "hash-2+bulkheads+spill", "hash-2+bulkheads+affinity",
+        "hash-2+bulkheads+spill", "hash-2+bulkheads+affinity", "hash-2+bulkheads+flow",
     }  # fmt: skip
     assert summary["workload"]["sessions"] >= 2000
     assert summary["windows"] and summary["bursts"][0]["input_tokens"] == 120000

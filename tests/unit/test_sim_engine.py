@@ -302,3 +302,29 @@ def test_a_request_over_the_whole_budget_gets_413_without_retries() -> None:
     too_large = run.status == 413
     assert too_large.any()
     assert (run.rejections[too_large] == 0).all()
+
+
+def test_flow_control_serves_more_long_requests_than_429_only() -> None:
+    """The same seeded burst (a long budget of one request per cluster): placing new sessions
+    on their next candidate with budget and waiting up to the class's maximum serve more long
+    requests, with fewer give-ups, than answering every refusal with a 429; nothing leaks and
+    every request ends one way."""
+    policies = ("hash-2+bulkheads", "hash-2+bulkheads+flow")
+    _summary, runs, prepared = simulate(
+        _options(policies=policies, events=(), bursts=("0.5T,0.2T,0.6x,150000",)),
+        base=_base(),
+    )
+    traffic = prepared.scenario.traffic
+    klass = np.asarray(traffic.t_class)[np.asarray(traffic.templates)]
+    long_ = klass == 2
+    assert long_.sum() > 20
+    only, flow = runs["hash-2+bulkheads"], runs["hash-2+bulkheads+flow"]
+    for run in (only, flow):
+        assert run.leaked_tickets == 0
+        assert np.isin(run.status, [SERVED, 429, 413, 503]).all()
+        assert np.isnan(run.ttft[run.status != SERVED]).all()
+    served_only = int((only.status[long_] == SERVED).sum())
+    served_flow = int((flow.status[long_] == SERVED).sum())
+    assert served_flow > served_only, (served_flow, served_only)
+    assert (flow.status[long_] == 429).sum() < (only.status[long_] == 429).sum()
+    assert flow.spilled_sessions > 0  # new sessions were placed off a full primary
