@@ -107,6 +107,9 @@ class RedisLedger:
         max_connections: int = 16,
     ) -> None:
         self.client = client
+        # Where the release listener opens its own connection (extproc/ledger/waiters.py);
+        # None for a ledger built on a given client (then it subscribes through that one).
+        self.url: str | None = None
         # Calls in flight at once. The single-node pool blocks by itself; the cluster client's
         # per-node pools raise instead, so a burst waits here (within the same timeout).
         self._slots = asyncio.Semaphore(max_connections)
@@ -133,7 +136,7 @@ class RedisLedger:
     ) -> RedisLedger:
         """A ledger with its own bounded connection pool (see extproc.redis_client)."""
         client = any_client(url, timeout_s, max_connections)
-        return cls(
+        ledger = cls(
             client,
             prefix=prefix,
             lease_ttl_s=lease_ttl_s,
@@ -141,6 +144,8 @@ class RedisLedger:
             replica_id=replica_id,
             max_connections=max_connections,
         )
+        ledger.url = url
+        return ledger
 
     async def _bounded(self, what: str, call: Awaitable[Any]) -> Any:
         try:

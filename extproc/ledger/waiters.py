@@ -26,6 +26,7 @@ Nothing is held while waiting: the reservation is taken only by the successful a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from extproc.core.admission import (
 )
 from extproc.core.flow import FairQueue, WaitPolicy
 from extproc.ledger.metrics import LedgerMetrics
+from extproc.redis_client import any_client
 
 if TYPE_CHECKING:
     from extproc.ledger.gate import AdmissionGate
@@ -235,15 +237,25 @@ async def listen_for_releases(
     the head's periodic re-check. A client without pub/sub (the Redis Cluster client) leaves
     waiters to that re-check alone.
     """
-    pubsub_of: Any = getattr(shared.client, "pubsub", None)
-    if pubsub_of is None:
+
+    def connect() -> Any:
+        # A connection of its own, outside the ledger's pool: a subscription holds its
+        # connection for good, and a reconnect during a Redis fault must never take (or
+        # leak) a connection that reserves and releases need. Its socket timeout outlasts
+        # the read poll below.
+        if shared.url is None:
+            return shared.client
+        return any_client(shared.url, read_timeout_s + shared.timeout_s + 1.0, 2)
+
+    if getattr(shared.client, "pubsub", None) is None:
         log.warning("redis client has no pub/sub: waiters re-check the ledger periodically")
         if subscribed is not None:
             subscribed.set()
         return
     warned = False
     while True:
-        pubsub = pubsub_of()
+        client = connect()
+        pubsub = client.pubsub()
         try:
             await pubsub.subscribe(shared.freed_channel)
             if subscribed is not None:
@@ -268,8 +280,9 @@ async def listen_for_releases(
                     extra={"error": f"{type(exc).__name__}: {exc}"},
                 )
         finally:
-            try:
+            with contextlib.suppress(RedisError, OSError):
                 await asyncio.shield(pubsub.aclose())
-            except (RedisError, OSError):
-                log.debug("pub/sub close failed", exc_info=True)
+            if client is not shared.client:
+                with contextlib.suppress(RedisError, OSError):
+                    await asyncio.shield(client.aclose())
         await asyncio.sleep(retry_s)
