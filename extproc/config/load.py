@@ -19,8 +19,7 @@ from extproc.config.schema import (
     ClassConfig,
     FleetConfig,
 )
-from extproc.core.admission import effective_burst
-from extproc.core.fleet import Budget
+from extproc.core.fleet import Budget, effective_burst
 from extproc.names import FLEET_HEADER_PREFIX
 
 

@@ -36,7 +36,7 @@ from random import Random
 
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
-from extproc.core.fleet import Budget, share_of
+from extproc.core.fleet import Budget
 
 # Time constant of the exponentially weighted release-rate estimate: long enough to smooth
 # bursts of completions, short enough to follow a class whose request lengths change.
@@ -107,54 +107,6 @@ class Reason(StrEnum):
     LEDGER_UNAVAILABLE = "ledger_unavailable"
 
 
-def effective_burst(budget: Budget) -> int:
-    """Token-bucket capacity: the configured burst, or one second of refill when it is 0."""
-    if not budget.tokens_per_second:
-        return 0
-    # Capped so an absurd (or infinite) rate still gives an integer a ledger can store.
-    return budget.burst_tokens or max(1, math.ceil(min(budget.tokens_per_second, 2.0**53)))
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """What a ledger enforces for one (cluster, class); 0 = no cap (burst 0 = no bucket)."""
-
-    max_inflight_tokens: int = 0
-    max_concurrent: int = 0
-    tokens_per_second: float = 0.0
-    burst_tokens: int = 0
-
-    @classmethod
-    def of(cls, budget: Budget) -> Limits:
-        return cls(
-            budget.max_inflight_tokens,
-            budget.max_concurrent,
-            budget.tokens_per_second,
-            effective_burst(budget),
-        )
-
-    def share(self, replicas: int) -> Limits:
-        """One replica's part of a budget when each replica enforces it alone.
-
-        Rounded down so the replicas together never exceed the whole, but never below 1: a
-        capped dimension must stay capped (0 would mean "no cap").
-        """
-        if replicas <= 1:
-            return self
-        return Limits(
-            share_of(self.max_inflight_tokens, replicas),
-            share_of(self.max_concurrent, replicas),
-            self.tokens_per_second / replicas,
-            share_of(self.burst_tokens, replicas),
-        )
-
-    @property
-    def largest_admissible(self) -> int | None:
-        """The largest single demand these limits can ever admit (None = unbounded)."""
-        caps = [c for c in (self.max_inflight_tokens, self.burst_tokens) if c]
-        return min(caps) if caps else None
-
-
 @dataclass(frozen=True, slots=True)
 class Demand:
     """One request's claim on its class's budget on its primary cluster."""
@@ -162,8 +114,8 @@ class Demand:
     cluster: str
     class_name: str
     tokens: int
-    budget: Budget
-    limits: Limits
+    budget: Budget  # as configured
+    limits: Budget  # as enforced: resolved (Budget.resolved), a replica's share when alone
 
     def shared(self, replicas: int) -> Demand:
         if replicas <= 1:
@@ -292,7 +244,7 @@ def plan(tokens: int, route: Route) -> Demand | Reject | None:
     budget = cls.budget
     if not budget.enforced:
         return None
-    limits = Limits.of(budget)
+    limits = budget.resolved()
     demand = Demand(route.placement.primary, cls.name, tokens, budget, limits)
     cap = limits.largest_admissible
     if cap is not None and demand.tokens > cap:
@@ -318,11 +270,11 @@ def plan(tokens: int, route: Route) -> Demand | Reject | None:
     return demand
 
 
-def _token_limit(limits: Limits) -> int | None:
+def _token_limit(limits: Budget) -> int | None:
     return limits.max_inflight_tokens or limits.burst_tokens or None
 
 
-def _token_remaining(limits: Limits, usage: Usage) -> int | None:
+def _token_remaining(limits: Budget, usage: Usage) -> int | None:
     left: list[int] = []
     if limits.max_inflight_tokens:
         left.append(max(0, limits.max_inflight_tokens - usage.inflight_tokens))

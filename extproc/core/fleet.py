@@ -5,6 +5,7 @@ The config layer compiles fleet.yaml into these; the core never sees YAML or pyd
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from extproc.core.flow import WaitPolicy
@@ -34,6 +35,21 @@ class Budget:
     def enforced(self) -> bool:
         return bool(self.max_inflight_tokens or self.max_concurrent or self.tokens_per_second)
 
+    def resolved(self) -> Budget:
+        """The budget as a ledger enforces it: ``burst_tokens`` is the token bucket's actual
+        capacity (:func:`effective_burst`), so in a resolved budget a burst of 0 means "no
+        bucket". A demand's limits are always resolved (extproc.core.admission.plan)."""
+        burst = effective_burst(self)
+        if burst == self.burst_tokens:
+            return self
+        return Budget(self.max_inflight_tokens, self.max_concurrent, self.tokens_per_second, burst)
+
+    @property
+    def largest_admissible(self) -> int | None:
+        """The largest single demand a resolved budget can ever admit (None = unbounded)."""
+        caps = [c for c in (self.max_inflight_tokens, self.burst_tokens) if c]
+        return min(caps) if caps else None
+
     def share(self, parts: int) -> Budget:
         """One of ``parts`` equal shares, for a replica or worker that enforces its part alone
         (rate divided; caps by :func:`share_of`)."""
@@ -45,6 +61,14 @@ class Budget:
             self.tokens_per_second / parts,
             share_of(self.burst_tokens, parts),
         )
+
+
+def effective_burst(budget: Budget) -> int:
+    """Token-bucket capacity: the configured burst, or one second of refill when it is 0."""
+    if not budget.tokens_per_second:
+        return 0
+    # Capped so an absurd (or infinite) rate still gives an integer a ledger can store.
+    return budget.burst_tokens or max(1, math.ceil(min(budget.tokens_per_second, 2.0**53)))
 
 
 def share_of(cap: int, parts: int) -> int:

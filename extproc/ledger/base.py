@@ -17,11 +17,11 @@ from __future__ import annotations
 from extproc.core.admission import (
     Demand,
     LedgerAnswer,
-    Limits,
     ReleaseStats,
     Ticket,
     Usage,
 )
+from extproc.core.fleet import Budget
 
 
 class LedgerUnavailable(Exception):
@@ -29,10 +29,10 @@ class LedgerUnavailable(Exception):
 
 
 __all__ = [
+    "Budget",
     "Demand",
     "LedgerAnswer",
     "LedgerUnavailable",
-    "Limits",
     "ReleaseStats",
     "Ticket",
     "Usage",

@@ -43,7 +43,6 @@ from extproc.core.admission import (
     Admitted,
     Demand,
     LedgerAnswer,
-    Limits,
     Reason,
     Reject,
     Ticket,
@@ -156,7 +155,7 @@ class AdmissionGate:
         # Operator-facing problems found at start (shown in readiness), e.g. eviction policy.
         self.warnings: list[str] = []
         self._last_renew: float = clock()
-        self._limits_seen: dict[tuple[str, str], Limits] = {}
+        self._limits_seen: dict[tuple[str, str], Budget] = {}
         self._series_cache: dict[tuple[str, str, str], _Series] = {}
         self._renewer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -182,9 +181,9 @@ class AdmissionGate:
         """Export every (cluster, class) budget as gauges; call again after a reload."""
         for cls in runtime.policy.classes:
             for cluster in cls.eligible or runtime.cluster_names:
-                self._publish(cluster, cls.name, Limits.of(cls.budget))
+                self._publish(cluster, cls.name, cls.budget.resolved())
 
-    def _publish(self, cluster: str, class_name: str, limits: Limits) -> None:
+    def _publish(self, cluster: str, class_name: str, limits: Budget) -> None:
         key = (cluster, class_name)
         if self._limits_seen.get(key) == limits:
             return
@@ -197,7 +196,7 @@ class AdmissionGate:
 
         Reserves nothing and never raises: with Redis unreachable it reports the local ledger.
         """
-        limits = Limits.of(budget)
+        limits = budget.resolved()
         answer: LedgerAnswer | None = None
         ledger = "local"
         if self._shared is not None and self._redis_due():
@@ -304,7 +303,7 @@ class AdmissionGate:
         }
         if not budget.enforced:
             return {**out, "would": "admit", "estimated_wait_s": 0.0}
-        demand = Demand(cluster, request_class.name, tokens, budget, Limits.of(budget))
+        demand = Demand(cluster, request_class.name, tokens, budget, budget.resolved())
         answer = await self.peek(demand)
         estimate = queued_wait(demand, answer, queued, queued_tokens)
         if not queued and queued_wait(demand, answer) == 0:
@@ -370,7 +369,7 @@ class AdmissionGate:
         if ticket.cluster == cluster or ticket.lease not in self._held:
             return ticket
         # No caps: what is reserved is exactly this request's tokens and one request.
-        demand = Demand(cluster, ticket.class_name, ticket.tokens, budget, Limits())
+        demand = Demand(cluster, ticket.class_name, ticket.tokens, budget, Budget())
         answer: LedgerAnswer | None = None
         if ticket.store != self._local.store and self._shared is not None and self._redis_due():
             answer = await self._reserve_shared(self._shared, demand)
@@ -379,7 +378,7 @@ class AdmissionGate:
         moved = answer.ticket
         if not answer.granted or moved is None:
             return ticket  # cannot happen without caps; keep the charge where it is
-        limits = Limits.of(budget)
+        limits = budget.resolved()
         if ticket.store == self._local.store or moved.store == self._local.store:
             limits = limits.share(self._replicas)
         usage = answer.usage

@@ -15,11 +15,11 @@ from extproc.core.admission import (
     RELEASE_RATE_TAU_S,
     Demand,
     LedgerAnswer,
-    Limits,
     ReleaseStats,
     Ticket,
     Usage,
 )
+from extproc.core.fleet import Budget
 
 
 class _Compartment:
@@ -48,7 +48,7 @@ class _Compartment:
         self.rel_since = 0.0
         self.leases: dict[str, int] = {}
 
-    def refill(self, limits: Limits, now: float) -> float:
+    def refill(self, limits: Budget, now: float) -> float:
         if not limits.burst_tokens:
             return 0.0
         if self.level is None:
@@ -147,10 +147,10 @@ class MemoryLedger:
         # Leases here live exactly as long as the process; there is nothing to extend.
         return []
 
-    async def usage(self, cluster: str, class_name: str, limits: Limits) -> LedgerAnswer:
+    async def usage(self, cluster: str, class_name: str, limits: Budget) -> LedgerAnswer:
         return self.usage_now(cluster, class_name, limits)
 
-    def usage_now(self, cluster: str, class_name: str, limits: Limits) -> LedgerAnswer:
+    def usage_now(self, cluster: str, class_name: str, limits: Budget) -> LedgerAnswer:
         """The compartment as it is (reserves nothing), synchronously."""
         now = self._clock()
         comp = self._compartment(cluster, class_name)

@@ -57,11 +57,11 @@ from extproc.core.admission import (
     RELEASE_RATE_TAU_S,
     Demand,
     LedgerAnswer,
-    Limits,
     ReleaseStats,
     Ticket,
     Usage,
 )
+from extproc.core.fleet import Budget
 from extproc.ledger.base import LedgerUnavailable
 from extproc.redis_client import AnyRedis, any_client
 
@@ -198,7 +198,7 @@ class RedisLedger:
             _num(raw[8]),
         )
 
-    def _args(self, lease: str, tokens: int, limits: Limits, peek: bool) -> list[str | int]:
+    def _args(self, lease: str, tokens: int, limits: Budget, peek: bool) -> list[str | int]:
         return [
             lease,
             tokens,
@@ -337,7 +337,7 @@ class RedisLedger:
         raw = await self._pipelined("renew", self._renew.sha, calls)
         return [_text(x) for reply in raw for x in reply]
 
-    async def usage(self, cluster: str, class_name: str, limits: Limits) -> LedgerAnswer:
+    async def usage(self, cluster: str, class_name: str, limits: Budget) -> LedgerAnswer:
         keys = compartment_keys(self.prefix, cluster, class_name)
         raw = await self._bounded(
             "usage", self._reserve(keys=keys, args=self._args("-", 0, limits, True))

@@ -11,8 +11,9 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from extproc.core.admission import Admitted, Limits, Reject, Ticket
+from extproc.core.admission import Admitted, Reject, Ticket
 from extproc.core.affinity import Override
+from extproc.core.fleet import Budget
 from extproc.ledger.redis import RedisLedger, compartment_keys
 from extproc.pipeline.fleet_state import RedisSessions
 from tests.stream.test_ledger_redis import gate_for, request, runtime, sample
@@ -25,7 +26,7 @@ def cluster() -> Iterator[RedisClusterServers]:
         yield servers
 
 
-async def usage(url: str, cluster: str, limits: Limits) -> tuple[int, int]:
+async def usage(url: str, cluster: str, limits: Budget) -> tuple[int, int]:
     ledger = RedisLedger.from_url(url, timeout_s=2.0)
     try:
         seen = (await ledger.usage(cluster, "short", limits)).usage
@@ -51,7 +52,7 @@ async def test_one_budget_shared_by_two_gates_on_a_cluster(cluster: RedisCluster
     a, b = await gate_for(rt), await gate_for(rt)
     facts = request(rt, "cluster-shared")
     route = rt.policy.route(facts)
-    limits = Limits.of(route.request_class.budget)
+    limits = route.request_class.budget.resolved()
     storm = await asyncio.gather(*(g.admit(facts, route) for _ in range(20) for g in (a, b)))
     winners = [o for o in storm if isinstance(o, Admitted)]
     assert all(w.ticket.store == "redis" for w in winners)
@@ -82,7 +83,7 @@ async def test_primary_failover_recovers_the_budget_and_leaks_nothing(
     facts = request(rt, "cluster-failover")
     route = rt.policy.route(facts)
     name = route.placement.primary
-    limits = Limits.of(route.request_class.budget)
+    limits = route.request_class.budget.resolved()
     held: list[Ticket] = []
     deadline = time.monotonic() + 10
     while len(held) < 3:

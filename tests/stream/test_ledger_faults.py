@@ -33,7 +33,8 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from extproc.core.admission import Admitted, Limits, Reject
+from extproc.core.admission import Admitted, Reject
+from extproc.core.fleet import Budget
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.gate import AdmissionGate
 from tests.stream.test_ledger_redis import CHILD, compartment, fleet_doc, gate_for, request
@@ -142,7 +143,7 @@ async def settle(
     cluster: str,
 ) -> tuple[int, int]:
     """Wait (up to the lease TTL + slack) until nothing is held anywhere; what is left."""
-    limits = Limits(max_concurrent=BUDGET)
+    limits = Budget(max_concurrent=BUDGET)
     deadline = time.monotonic() + LEASE_TTL_S + 2.0
     left = (0, 0)
     while time.monotonic() < deadline:
@@ -248,7 +249,7 @@ async def run_replica_sigkill(server: RedisServer) -> Row:
         await asyncio.sleep(0.05)
     for t in held:
         await gate.release(t)
-    left = await compartment(server, cluster, Limits(max_concurrent=BUDGET))
+    left = await compartment(server, cluster, Budget(max_concurrent=BUDGET))
     await gate.close()
     return Row(
         "processor replica SIGKILLed holding 3 leases",

@@ -18,7 +18,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from extproc.core.admission import Admitted, Demand, Limits
+from extproc.core.admission import Admitted, Demand
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
 from extproc.core.fleet import Budget
@@ -86,7 +86,7 @@ def stall(server: RedisServer, how: str, seconds: float) -> Callable[[], None]:
 
 
 async def settled(
-    server: RedisServer, cluster: str, limits: Limits, gate_unsettled: Callable[[], int]
+    server: RedisServer, cluster: str, limits: Budget, gate_unsettled: Callable[[], int]
 ) -> float:
     """Seconds until the compartment is empty in Redis and the gate has nothing unsettled."""
     started = time.monotonic()
@@ -124,7 +124,7 @@ async def test_a_reserve_that_times_out_leaves_no_phantom(server: RedisServer, h
     facts = request(rt)
     route = rt.policy.route(facts)
     cluster = route.placement.primary
-    limits = Limits.of(route.request_class.budget)
+    limits = route.request_class.budget.resolved()
     await warm_up(gate, facts, route)
 
     # Long enough that the admission below surely meets the stall on a busy machine.
@@ -172,7 +172,7 @@ async def test_a_cancelled_admission_leaves_no_phantom(server: RedisServer) -> N
             await task
     finally:
         server.resume()
-    await settled(server, cluster, Limits(max_concurrent=4), lambda: gate.unsettled)
+    await settled(server, cluster, Budget(max_concurrent=4), lambda: gate.unsettled)
     assert gate.held == 0
     assert (
         sample(registry, "fleet_ledger_reconciled_total", result="phantom_removed")
@@ -185,7 +185,7 @@ async def test_a_cancelled_admission_leaves_no_phantom(server: RedisServer) -> N
 async def test_cancel_refuses_a_late_reserve_and_the_tombstone_lapses(server: RedisServer) -> None:
     ledger = RedisLedger.from_url(server.url, lease_ttl_s=1.0, timeout_s=2.0)
     await ledger.load()
-    demand = Demand("c1", "short", 10, Budget(max_concurrent=2), Limits(0, 2))
+    demand = Demand("c1", "short", 10, Budget(max_concurrent=2), Budget(0, 2))
     keys = compartment_keys("fleet", "c1", "short")
 
     # Cancel first (the reserve is still queued somewhere), then the late reserve arrives.

@@ -22,8 +22,9 @@ from prometheus_client import CollectorRegistry
 import extproc.ledger
 from extproc.config.load import parse_config
 from extproc.config.runtime import Runtime, compile_runtime
-from extproc.core.admission import Admitted, Limits, Reject, Ticket
+from extproc.core.admission import Admitted, Reject, Ticket
 from extproc.core.facts import RequestFacts, parse_request
+from extproc.core.fleet import Budget
 from extproc.ledger.gate import AdmissionGate, build_gate
 from extproc.ledger.redis import RedisLedger
 from tests.support.redis_server import RedisServer
@@ -107,7 +108,7 @@ def client_calls(probe: redis.Redis) -> Counter[str]:
     return out
 
 
-async def compartment(srv: RedisServer, cluster: str, limits: Limits) -> tuple[int, int]:
+async def compartment(srv: RedisServer, cluster: str, limits: Budget) -> tuple[int, int]:
     ledger = RedisLedger.from_url(srv.url, timeout_s=1.0)
     try:
         usage = (await ledger.usage(cluster, "short", limits)).usage
@@ -159,7 +160,7 @@ async def test_two_gates_sharing_redis_enforce_one_fleet_wide_budget(server: Red
     a, b = await gate_for(rt), await gate_for(rt)
     facts = request(rt)
     route = rt.policy.route(facts)
-    limits = Limits.of(route.request_class.budget)
+    limits = route.request_class.budget.resolved()
 
     alternating = [await (a if i % 2 == 0 else b).admit(facts, route) for i in range(6)]
     assert [type(o).__name__ for o in alternating] == ["Admitted"] * 4 + ["Reject"] * 2
@@ -232,7 +233,7 @@ async def test_reservations_of_a_sigkilled_replica_expire_within_the_lease_ttl(
     # A generous timeout: this test is about leases outliving a killed holder, not about
     # latency; on a busy machine 50 ms renewals can time out and lapse on their own.
     doc = fleet_doc(server.url, budget={"max_concurrent": 10}, lease_ttl_s=ttl, timeout_ms=500)
-    limits = Limits(max_concurrent=10)
+    limits = Budget(max_concurrent=10)
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-c", CHILD, json.dumps(doc), "3", stdout=asyncio.subprocess.PIPE
     )
@@ -327,9 +328,9 @@ async def test_redis_outage_under_load_falls_back_and_recovers(
     labels = {"cluster": cluster, "request_class": "short"}
     assert sample(registry, "fleet_budget_inflight_tokens", **labels) == 0
     assert sample(registry, "fleet_budget_inflight_requests", **labels) == 0
-    local_usage = await gate._local.usage(cluster, "short", Limits())
+    local_usage = await gate._local.usage(cluster, "short", Budget())
     assert (local_usage.usage.inflight_tokens, local_usage.usage.concurrent) == (0, 0)
-    assert await compartment(server, cluster, Limits.of(route.request_class.budget)) == (0, 0)
+    assert await compartment(server, cluster, route.request_class.budget.resolved()) == (0, 0)
     await gate.close()
 
 
@@ -372,7 +373,7 @@ async def test_hung_redis_costs_one_timeout_and_leaks_nothing_beyond_the_ttl(
     assert gate.held == 0
     # A reserve that reached the paused server may have run after SIGCONT with nobody
     # listening for the answer; its lease is never renewed, so it lapses within the TTL.
-    limits = Limits.of(route.request_class.budget)
+    limits = route.request_class.budget.resolved()
     deadline = time.monotonic() + ttl + 1.0
     while await compartment(server, route.placement.primary, limits) != (0, 0):
         assert time.monotonic() < deadline, "a lease outlived its TTL"
@@ -400,7 +401,7 @@ async def test_release_while_redis_is_down_never_raises_and_the_lease_lapses(
     assert sample(registry, "fleet_ledger_release_errors_total") == 1
     labels = {"cluster": route.placement.primary, "request_class": "short"}
     assert sample(registry, "fleet_budget_inflight_requests", **labels) == 0
-    limits = Limits.of(route.request_class.budget)
+    limits = route.request_class.budget.resolved()
     deadline = time.monotonic() + ttl + 1.0
     while await compartment(server, route.placement.primary, limits) != (0, 0):
         assert time.monotonic() < deadline

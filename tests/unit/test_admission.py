@@ -18,13 +18,11 @@ from extproc.core.admission import (
     Admitted,
     Demand,
     LedgerAnswer,
-    Limits,
     Reason,
     Reject,
     ReleaseStats,
     Ticket,
     Usage,
-    effective_burst,
     jittered_seconds,
     plan,
     request_tokens,
@@ -33,7 +31,7 @@ from extproc.core.admission import (
 )
 from extproc.core.api import Api
 from extproc.core.facts import RequestFacts
-from extproc.core.fleet import Budget
+from extproc.core.fleet import Budget, effective_burst
 from extproc.core.keys import KeySource, hash_key
 from extproc.core.ratelimit_headers import format_duration, rate_limit_headers
 
@@ -130,7 +128,7 @@ def test_demand_is_charged_to_the_class_of_the_request(
     cls = next(c for c in rt.policy.classes if c.name == expected)
     assert demand.class_name == expected
     assert demand.budget == cls.budget
-    assert demand.limits == Limits.of(cls.budget)
+    assert demand.limits == cls.budget.resolved()
 
 
 def test_demand_is_charged_to_the_primary_cluster_within_the_eligible_set() -> None:
@@ -155,7 +153,7 @@ def test_cost_is_the_estimated_input_only() -> None:
 
 
 def test_share_splits_every_capped_dimension_and_keeps_caps_capped() -> None:
-    whole = Limits(
+    whole = Budget(
         max_inflight_tokens=1001, max_concurrent=3, tokens_per_second=90.0, burst_tokens=7
     )
     part = whole.share(2)
@@ -165,8 +163,8 @@ def test_share_splits_every_capped_dimension_and_keeps_caps_capped() -> None:
     assert part.burst_tokens == 3
     assert 2 * part.max_inflight_tokens <= whole.max_inflight_tokens
     # A tiny cap stays a cap (0 would mean "unlimited").
-    assert Limits(max_concurrent=1).share(4).max_concurrent == 1
-    assert Limits(max_concurrent=0).share(4).max_concurrent == 0
+    assert Budget(max_concurrent=1).share(4).max_concurrent == 1
+    assert Budget(max_concurrent=0).share(4).max_concurrent == 0
     assert whole.share(1) == whole
 
 
@@ -227,7 +225,7 @@ def test_request_larger_than_the_burst_is_413() -> None:
 # -- verdicts and retry hints -------------------------------------------------------------------
 
 
-def demand_for(limits: Limits, tokens: int) -> Demand:
+def demand_for(limits: Budget, tokens: int) -> Demand:
     budget = Budget(
         limits.max_inflight_tokens,
         limits.max_concurrent,
@@ -248,7 +246,7 @@ def steady(rate_per_s: float, tokens_each: float, now: float) -> ReleaseStats:
 
 
 def test_granted_answer_is_an_admission_carrying_the_ticket() -> None:
-    d = demand_for(Limits(max_inflight_tokens=100), 10)
+    d = demand_for(Budget(max_inflight_tokens=100), 10)
     ticket = Ticket("c1", "short", 10, "lease-1", "memory")
     out = verdict(d, LedgerAnswer(True, ticket, Usage(10, 1), ReleaseStats(), 0.0), Random(1))
     assert isinstance(out, Admitted)
@@ -256,7 +254,7 @@ def test_granted_answer_is_an_admission_carrying_the_ticket() -> None:
 
 
 def test_inflight_wait_comes_from_the_observed_token_release_rate() -> None:
-    limits = Limits(max_inflight_tokens=10_000)
+    limits = Budget(max_inflight_tokens=10_000)
     d = demand_for(limits, 3_000)
     # 9000 in flight + 3000 wanted = 2000 over; 400 tokens/s complete → 5 s.
     ans = refused(Usage(9_000, 5), steady(2.0, 200.0, 100.0))
@@ -273,7 +271,7 @@ def test_inflight_wait_comes_from_the_observed_token_release_rate() -> None:
 
 
 def test_faster_completions_give_shorter_retry_hints() -> None:
-    d = demand_for(Limits(max_inflight_tokens=10_000), 3_000)
+    d = demand_for(Budget(max_inflight_tokens=10_000), 3_000)
     slow = verdict(d, refused(Usage(9_000, 5), steady(0.5, 200.0, 100.0)), Random(7))
     fast = verdict(d, refused(Usage(9_000, 5), steady(20.0, 200.0, 100.0)), Random(7))
     assert isinstance(slow, Reject) and isinstance(fast, Reject)
@@ -282,7 +280,7 @@ def test_faster_completions_give_shorter_retry_hints() -> None:
 
 
 def test_concurrency_wait_uses_the_request_completion_rate() -> None:
-    d = demand_for(Limits(max_concurrent=4), 10)
+    d = demand_for(Budget(max_concurrent=4), 10)
     ans = refused(Usage(40, 4), steady(0.25, 10.0, 100.0))  # one completion every 4 s
     out = verdict(d, ans, Random(3))
     assert isinstance(out, Reject) and out.reason is Reason.CONCURRENCY
@@ -291,7 +289,7 @@ def test_concurrency_wait_uses_the_request_completion_rate() -> None:
 
 
 def test_token_bucket_wait_is_the_refill_time() -> None:
-    limits = Limits(tokens_per_second=100.0, burst_tokens=5_000)
+    limits = Budget(tokens_per_second=100.0, burst_tokens=5_000)
     d = demand_for(limits, 1_200)
     out = verdict(d, refused(Usage(0, 0, bucket_tokens=200.0)), Random(11))
     assert isinstance(out, Reject) and out.reason is Reason.TOKEN_RATE
@@ -304,7 +302,7 @@ def test_token_bucket_wait_is_the_refill_time() -> None:
 
 
 def test_binding_dimension_is_the_one_with_the_longest_wait() -> None:
-    limits = Limits(
+    limits = Budget(
         max_inflight_tokens=1_000, max_concurrent=2, tokens_per_second=10.0, burst_tokens=1_000
     )
     d = demand_for(limits, 500)
@@ -317,7 +315,7 @@ def test_binding_dimension_is_the_one_with_the_longest_wait() -> None:
 
 
 def test_without_any_completion_observed_the_hint_is_a_short_jittered_probe() -> None:
-    d = demand_for(Limits(max_concurrent=1), 10)
+    d = demand_for(Budget(max_concurrent=1), 10)
     hints = {
         r.retry_after_s
         for seed in range(200)
@@ -329,7 +327,7 @@ def test_without_any_completion_observed_the_hint_is_a_short_jittered_probe() ->
 
 
 def test_retry_after_is_deterministic_per_seed_and_jittered_across_seeds() -> None:
-    d = demand_for(Limits(max_inflight_tokens=10_000), 3_000)
+    d = demand_for(Budget(max_inflight_tokens=10_000), 3_000)
     ans = refused(Usage(9_500, 5), steady(1.0, 100.0, 100.0))  # 2500 over at 100 tok/s = 25 s
 
     def hint(seed: int) -> int | None:
@@ -349,7 +347,7 @@ def test_retry_after_is_capped() -> None:
 
 
 def test_local_share_too_small_for_the_request_is_429_local_share() -> None:
-    whole = Limits(max_inflight_tokens=10_000)
+    whole = Budget(max_inflight_tokens=10_000)
     d = demand_for(whole, 8_000).shared(2)
     out = verdict(d, refused(Usage(0, 0)), Random(1))
     assert isinstance(out, Reject)
@@ -358,7 +356,7 @@ def test_local_share_too_small_for_the_request_is_429_local_share() -> None:
 
 
 def test_closed_policy_reject_is_503_with_a_retry_hint() -> None:
-    d = demand_for(Limits(max_concurrent=3), 10)
+    d = demand_for(Budget(max_concurrent=3), 10)
     out = unavailable(d, 1.0, Random(2))
     assert out.status == 503 and out.reason is Reason.LEDGER_UNAVAILABLE
     headers = dict(rate_limit_headers(out))
@@ -408,7 +406,7 @@ def parse_sf_list(value: str) -> list[tuple[str, dict[str, str]]]:
 @pytest.mark.parametrize("seed", range(10))
 def test_ietf_fields_follow_the_draft_syntax_and_agree_with_retry_after(seed: int) -> None:
     rng = Random(seed)
-    limits = Limits(
+    limits = Budget(
         max_inflight_tokens=rng.randrange(1_000, 100_000),
         max_concurrent=rng.randrange(1, 64),
         tokens_per_second=rng.uniform(10, 5_000),
@@ -450,7 +448,7 @@ def test_ietf_fields_follow_the_draft_syntax_and_agree_with_retry_after(seed: in
 
 
 def test_openai_headers_report_the_binding_token_dimension() -> None:
-    d = demand_for(Limits(max_inflight_tokens=10_000), 3_000)
+    d = demand_for(Budget(max_inflight_tokens=10_000), 3_000)
     out = verdict(d, refused(Usage(9_000, 5), steady(2.0, 200.0, 100.0)), Random(1))
     assert isinstance(out, Reject)
     values = dict(rate_limit_headers(out))

@@ -22,7 +22,6 @@ from extproc.core.admission import (
     Admitted,
     Demand,
     LedgerAnswer,
-    Limits,
     Reject,
     ReleaseStats,
     Ticket,
@@ -100,7 +99,7 @@ def assert_hints_bounded(reject: Reject) -> None:
 def test_verdict_is_total_and_hints_are_bounded(
     budget: Budget, tokens: int, answer: LedgerAnswer, replicas: int, rng: Random
 ) -> None:
-    limits = Limits.of(budget).share(replicas)
+    limits = budget.resolved().share(replicas)
     demand = Demand("c1", "short", tokens, budget, limits)
     outcome = verdict(demand, answer, rng)
     if answer.granted:
@@ -118,7 +117,7 @@ def test_plan_is_total_and_413_only_when_nothing_could_admit(budget: Budget, tok
     if not budget.enforced:
         assert out is None
         return
-    limits = Limits.of(budget)
+    limits = budget.resolved()
     cap = limits.largest_admissible
     if isinstance(out, Reject):
         assert out.status == 413
@@ -136,7 +135,7 @@ def test_plan_is_total_and_413_only_when_nothing_could_admit(budget: Budget, tok
 @given(ANY_FLOAT, st.randoms())
 def test_jittered_seconds_and_unavailable_are_bounded(wait: float, rng: Random) -> None:
     assert 1 <= jittered_seconds(wait, rng) <= MAX_RETRY_AFTER_S
-    demand = Demand("c1", "short", 1, Budget(max_concurrent=1), Limits(0, 1))
+    demand = Demand("c1", "short", 1, Budget(max_concurrent=1), Budget(0, 1))
     reject = unavailable(demand, wait, rng)
     assert reject.status == 503
     assert reject.retry_after_s is not None and 1 <= reject.retry_after_s <= MAX_RETRY_AFTER_S
@@ -164,7 +163,7 @@ def test_release_rates_never_raise_and_are_not_negative(
 def test_denormal_decay_window_gives_the_longest_hint_not_a_crash() -> None:
     """Every second of the idle window the issue measured (7,050-7,450 s) answers a 429."""
     budget = Budget(max_inflight_tokens=40_000, max_concurrent=4)
-    demand = Demand("c1", "short", 30_000, budget, Limits.of(budget))
+    demand = Demand("c1", "short", 30_000, budget, budget.resolved())
     for idle in range(7_000, 7_500):
         answer = LedgerAnswer(
             False, None, Usage(30_000, 4, 0.0), ReleaseStats(3.0, 9_000.0, 0.0, -5.0), idle

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from extproc.core.admission import (
     Demand,
     LedgerAnswer,
-    Limits,
     Reject,
     ReleaseStats,
     Usage,
@@ -69,7 +68,7 @@ def _answer(concurrent: int, releases_per_s: float, now: float = 100.0) -> Ledge
 
 
 def test_queued_wait_counts_the_requests_ahead() -> None:
-    demand = Demand("c1", "long", 10, Budget(max_concurrent=2), Limits(max_concurrent=2))
+    demand = Demand("c1", "long", 10, Budget(max_concurrent=2), Budget(max_concurrent=2))
     answer = _answer(concurrent=2, releases_per_s=0.5)
     alone = queued_wait(demand, answer)
     behind_three = queued_wait(demand, answer, ahead=3)
@@ -162,7 +161,7 @@ def test_queue_over_the_real_ledger_never_exceeds_budget_or_max_wait(
     reserves; a release lets heads in until one is refused; a waiter past its deadline leaves."""
     clock = _Clock()
     ledger = MemoryLedger(clock)
-    limits = Limits(max_concurrent=cap)
+    limits = Budget(max_concurrent=cap)
     demand = Demand("c1", "long", 1, Budget(max_concurrent=cap), limits)
     q: FairQueue[tuple[int, float]] = FairQueue()  # (id, arrived at)
     held: list[object] = []

@@ -14,7 +14,6 @@ from extproc.config.runtime import Runtime, compile_runtime
 from extproc.core.admission import (
     Admitted,
     Demand,
-    Limits,
     Reason,
     Reject,
     Ticket,
@@ -37,7 +36,7 @@ class FakeClock:
         return self.t
 
 
-def demand(limits: Limits, tokens: int, cluster: str = "c1", cls: str = "short") -> Demand:
+def demand(limits: Budget, tokens: int, cluster: str = "c1", cls: str = "short") -> Demand:
     budget = Budget(
         limits.max_inflight_tokens,
         limits.max_concurrent,
@@ -49,7 +48,7 @@ def demand(limits: Limits, tokens: int, cluster: str = "c1", cls: str = "short")
 
 async def test_reserve_enforces_inflight_tokens_and_release_gives_them_back() -> None:
     ledger = MemoryLedger(FakeClock())
-    d = demand(Limits(max_inflight_tokens=1000), 400)
+    d = demand(Budget(max_inflight_tokens=1000), 400)
     a1, a2, a3 = [await ledger.reserve(d) for _ in range(3)]
     assert a1.granted and a2.granted and not a3.granted
     assert a2.usage.inflight_tokens == 800 and a2.usage.concurrent == 2
@@ -61,7 +60,7 @@ async def test_reserve_enforces_inflight_tokens_and_release_gives_them_back() ->
 
 async def test_release_is_idempotent_and_never_goes_negative() -> None:
     ledger = MemoryLedger(FakeClock())
-    d = demand(Limits(max_concurrent=2), 10)
+    d = demand(Budget(max_concurrent=2), 10)
     ans = await ledger.reserve(d)
     assert ans.ticket is not None
     assert await ledger.release(ans.ticket) is True
@@ -74,7 +73,7 @@ async def test_release_is_idempotent_and_never_goes_negative() -> None:
 
 async def test_compartments_are_independent_per_cluster_and_class() -> None:
     ledger = MemoryLedger(FakeClock())
-    lim = Limits(max_concurrent=1)
+    lim = Budget(max_concurrent=1)
     assert (await ledger.reserve(demand(lim, 1, "c1", "short"))).granted
     assert not (await ledger.reserve(demand(lim, 1, "c1", "short"))).granted
     assert (await ledger.reserve(demand(lim, 1, "c2", "short"))).granted
@@ -83,7 +82,7 @@ async def test_compartments_are_independent_per_cluster_and_class() -> None:
 
 async def test_concurrent_reservations_never_overshoot() -> None:
     ledger = MemoryLedger(FakeClock())
-    d = demand(Limits(max_inflight_tokens=10_000, max_concurrent=37), 100)
+    d = demand(Budget(max_inflight_tokens=10_000, max_concurrent=37), 100)
     answers = await asyncio.gather(*(ledger.reserve(d) for _ in range(500)))
     granted = [a for a in answers if a.granted]
     assert len(granted) == 37
@@ -94,7 +93,7 @@ async def test_concurrent_reservations_never_overshoot() -> None:
 async def test_token_bucket_refills_at_the_configured_rate() -> None:
     clock = FakeClock()
     ledger = MemoryLedger(clock)
-    lim = Limits(tokens_per_second=100.0, burst_tokens=1000)
+    lim = Budget(tokens_per_second=100.0, burst_tokens=1000)
     d = demand(lim, 600)
     first = await ledger.reserve(d)
     assert first.granted and first.usage.bucket_tokens == pytest.approx(400.0)
@@ -112,7 +111,7 @@ async def test_token_bucket_refills_at_the_configured_rate() -> None:
 async def test_release_rate_estimate_tracks_the_real_completion_rate() -> None:
     clock = FakeClock()
     ledger = MemoryLedger(clock)
-    d = demand(Limits(max_concurrent=1000), 250)
+    d = demand(Budget(max_concurrent=1000), 250)
     rate = 5.0  # completions per second
     for step in range(300):  # 60 s
         ans = await ledger.reserve(d)
