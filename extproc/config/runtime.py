@@ -94,6 +94,16 @@ class Runtime:
     def cluster_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.clusters)
 
+    @property
+    def response_phases(self) -> bool:
+        """Whether the processor reads inference responses (their headers, at least): for load
+        reports (affinity), usage, a budget charge that must follow a failover, or P/D's
+        sidecar status. The rendered filter skips response phases by default and the
+        processor asks for them per inference request (a mode override), so that nothing
+        else, above all Envoy's own answer to a malformed request, waits on the processor."""
+        budgets = any(c.budget.enforced for c in self.policy.classes)
+        return self.affinity.enabled or self.inspect_usage or budgets or self.pd is not None
+
 
 def compile_runtime(
     cfg: FleetConfig, raw: bytes | None = None, overrides: Overrides | None = None

@@ -39,6 +39,40 @@ CONTINUE_RESPONSE_BODY = ep.ProcessingResponse(response_body=ep.BodyResponse())
 CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
 
 
+def _observing(response_body: bool) -> ep.ProcessingResponse:
+    mode = processing_mode_pb2.ProcessingMode
+    return ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(),
+        # Every field explicit: Envoy takes both body modes from an override whatever they
+        # say, and older Envoys read a DEFAULT header or trailer mode as "send" / "skip"
+        # rather than "no change". The request's own modes are the rendered ones.
+        mode_override=mode(
+            request_header_mode=mode.SEND,
+            request_body_mode=mode.BUFFERED,
+            request_trailer_mode=mode.SEND,
+            response_header_mode=mode.SEND,
+            response_body_mode=mode.BUFFERED if response_body else mode.NONE,
+            response_trailer_mode=mode.SKIP,
+        ),
+    )
+
+
+# The request-headers answer to an inference request whose response the processor reads: the
+# rendered filter skips response phases (extproc/render/envoy.py), and this turns them on for
+# this request only (the filter's allow_mode_override).
+OBSERVE_RESPONSE_HEADERS = _observing(response_body=False)
+OBSERVE_RESPONSES = _observing(response_body=True)
+
+
+def continue_inference_headers(
+    response_headers: bool, response_body: bool
+) -> ep.ProcessingResponse:
+    """The answer to an inference request's headers while its body is awaited."""
+    if not response_headers:
+        return CONTINUE_HEADERS
+    return OBSERVE_RESPONSES if response_body else OBSERVE_RESPONSE_HEADERS
+
+
 # Streams must keep streaming while their usage is read: switch this response's body to
 # STREAMED (the filter's default for inspected responses is BUFFERED, right for JSON answers).
 STREAM_RESPONSE_HEADERS = ep.ProcessingResponse(

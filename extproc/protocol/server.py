@@ -144,7 +144,10 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         api = inference_api(state.headers)
         if api is not None and not msg.end_of_stream:
             state.api = api
-            return responses.CONTINUE_HEADERS
+            runtime = self.pipeline.runtime
+            return responses.continue_inference_headers(
+                runtime.response_phases, runtime.inspect_usage
+            )
         # Not an inference request, or one without a body: decided on the headers alone.
         state.decided = True
         outcome = await self.pipeline.decide(state.headers, None, self._clock())

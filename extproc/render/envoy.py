@@ -34,7 +34,7 @@ from extproc.names import (
     ROUTE_HEADER,
     WAIT_TIMER_HEADROOM_S,
 )
-from extproc.render.envoy_served import observes_responses, response_attributes, tag_endpoint
+from extproc.render.envoy_served import response_attributes, tag_endpoint
 from extproc.render.local_reply import local_reply_config
 
 Mode = Literal["extproc", "round_robin", "ring_hash"]
@@ -430,7 +430,7 @@ def _wait_timer(runtime: Runtime) -> Json:
 def _ext_proc_filter(runtime: Runtime) -> Json:
     proc = runtime.config.processor
     extra: Json = {}
-    if proc.inspect_usage:
+    if runtime.response_phases:
         extra["allow_mode_override"] = True
     if _may_pick_endpoints(runtime):
         # Without this Envoy silently drops the envoy.lb metadata the picker returns.
@@ -454,19 +454,16 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
                 # BUFFERED: the whole body in one message (BUFFERED_PARTIAL truncates JSON).
                 "request_body_mode": "BUFFERED",
                 # Each extra phase costs a gRPC exchange (70-90 µs): ask only for what we use.
-                # Load-aware affinity reads the clusters' load reports (ORCA
-                # endpoint-load-metrics / x-fleet-load) from the response headers, so it pays
-                # for one more exchange per request; pure hashing does not need them.
-                # Usage inspection reads the response body too: whole for JSON answers, and
-                # switched per response to STREAMED for SSE (a mode override), so that streams
-                # keep streaming. Budgets need them too: a failed-over request's charge moves
-                # to the cluster that served it (extproc/render/envoy_served.py). P/D reads the
-                # status: a 502 is the decode-side sidecar failing to reach the prefiller,
-                # which is then skipped at once.
-                "response_header_mode": (
-                    "SEND" if observes_responses(runtime) or runtime.pd else "SKIP"
-                ),
-                "response_body_mode": "BUFFERED" if proc.inspect_usage else "NONE",
+                # Response phases are off here even when the processor reads responses (load
+                # reports for affinity, usage, a budget charge that follows a failover, P/D's
+                # sidecar status: Runtime.response_phases): it turns them on per inference
+                # request with a mode override in its request-headers answer
+                # (protocol/responses.py, observe_responses). Rendered SEND, they would also
+                # hold Envoy's own reply to a malformed header block, which has no request
+                # for the processor to have seen: that reply then never came (Envoy closed the
+                # connection a second later; RELIABILITY.md, defect 2).
+                "response_header_mode": "SKIP",
+                "response_body_mode": "NONE",
                 # SEND: Envoy sends a trailers message only for requests that have trailers
                 # (no cost otherwise). A request of headers then trailers carries no body message
                 # at all: without this the processor would never see it and it would pass

@@ -17,17 +17,9 @@ from extproc.names import SERVED_ATTRIBUTES, SERVED_METADATA_KEY, SERVED_METADAT
 Json = dict[str, Any]
 
 
-def observes_responses(runtime: Runtime) -> bool:
-    """Whether the filter sends response headers to the processor: for load reports (affinity),
-    usage inspection, or a budget charge that must follow a failover."""
-    proc = runtime.config.processor
-    budgets = any(c.budget.enforced for c in runtime.policy.classes)
-    return runtime.config.affinity.enabled or proc.inspect_usage or budgets
-
-
 def response_attributes(runtime: Runtime) -> Json:
     """The filter's response_attributes (none when response headers are not sent)."""
-    if not observes_responses(runtime):
+    if not runtime.response_phases:
         return {}
     return {"response_attributes": list(SERVED_ATTRIBUTES)}
 

@@ -35,6 +35,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def observing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    """A processor that reads responses (affinity and usage inspection on)."""
+    overrides = {"affinity": {"enabled": True}, "processor": {"inspect_usage": True}}
+    with FleetStack(
+        tmp_path_factory.mktemp("observing"), clusters=1, fleet_overrides=overrides
+    ) as s:
+        yield s
+
+
 def _raw(port: int, head: bytes) -> tuple[int, dict[str, str], bytes]:
     result = exchange(port, (head, b""))
     assert not isinstance(result, str), result
@@ -55,6 +65,46 @@ def test_envoy_header_errors_are_json_errors(stack: FleetStack, extra: bytes, st
         code, headers, body = _raw(stack.listener_port, head)
         assert code == status
         assert error_format_problem(path.decode(), body, headers.get("content-type")) is None, body
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [b"x-tenant-tier: \x08\r\n", b"".join(b"x-f%d: v\r\n" % i for i in range(200))],
+    ids=["control-character", "header-flood"],
+)
+def test_header_errors_are_answered_when_the_processor_reads_responses(
+    observing: FleetStack, extra: bytes
+) -> None:
+    """Defect 2 of RELIABILITY.md: with the response phases rendered on, Envoy's own answer to a
+    malformed header block waited on the processor and never came (Envoy closed the connection
+    a second later). The phases are now asked for per inference request, so the answer comes."""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\n" + extra + b"content-length: 2\r\n\r\n"
+    )
+    code, headers, body = _raw(observing.listener_port, head)
+    assert code in (400, 431)
+    assert error_format_problem("/v1/chat/completions", body, headers.get("content-type")) is None
+
+
+def test_responses_are_still_read_when_asked_for_per_request(observing: FleetStack) -> None:
+    """The per-request override does turn the response phases on: the response's load report
+    (headers) and its usage (body) are read."""
+    names = ("fleet_load_reports_total", "fleet_upstream_output_tokens_total")
+
+    def totals() -> dict[str, float]:
+        samples = observing.processor_metrics()
+        return {n: sum(v for (name, _), v in samples.items() if name == n) for n in names}
+
+    before = totals()
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
+        b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
+    )
+    code, _headers, _raw_body = _raw(observing.listener_port, head + body)
+    assert code == 200
+    after = totals()
+    assert all(after[n] > before[n] for n in names), (before, after)
 
 
 @pytest.mark.parametrize("path", [b"/v1/chat/completions", b"/v1/messages"])

@@ -398,7 +398,11 @@ def test_enabled_affinity_compiles_and_asks_for_the_response_headers(tmp_path: P
     assert runtime.affinity.kv_pressure_threshold == 0.8
     assert runtime.affinity.hot_key_spread == 2
     bootstrap = render_bootstrap(runtime)
-    assert _processing_mode(runtime)["response_header_mode"] == "SEND"
+    # Response phases are turned on per inference request by the processor (a mode override):
+    # the filter allows it, and renders them off so nothing else waits on the processor.
+    assert runtime.response_phases
+    assert _processing_mode(runtime)["response_header_mode"] == "SKIP"
+    assert _filter_of(runtime)["allow_mode_override"] is True
     # The rendered bootstrap is one Envoy accepts.
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(bootstrap))
@@ -412,11 +416,16 @@ def test_enabled_affinity_compiles_and_asks_for_the_response_headers(tmp_path: P
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def _processing_mode(runtime: Runtime) -> dict[str, str]:
+def _filter_of(runtime: Runtime) -> dict[str, object]:
     listener = render_bootstrap(runtime)["static_resources"]["listeners"][0]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    ext_proc = hcm["http_filters"][0]["typed_config"]
-    mode: dict[str, str] = ext_proc["processing_mode"]
+    ext_proc: dict[str, object] = hcm["http_filters"][0]["typed_config"]
+    return ext_proc
+
+
+def _processing_mode(runtime: Runtime) -> dict[str, str]:
+    mode = _filter_of(runtime)["processing_mode"]
+    assert isinstance(mode, dict)
     return mode
 
 

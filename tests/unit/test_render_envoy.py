@@ -241,8 +241,12 @@ def test_ext_proc_filter_asks_only_for_the_phases_it_uses(rendered: dict[str, An
     assert mode["request_body_mode"] == "BUFFERED"  # BUFFERED_PARTIAL truncates JSON
     # The canonical config has budgets: the charge follows a failover to the cluster that
     # served, which Envoy names in the response attributes (tests/unit/test_served_cluster.py
-    # has the budget-less SKIP case).
-    assert mode["response_header_mode"] == "SEND"
+    # has the budget-less case). The processor turns the response phases on per inference
+    # request (mode override); rendered on, they would hold Envoy's own reply to a malformed
+    # header block (RELIABILITY.md, defect 2).
+    assert mode["response_header_mode"] == "SKIP"
+    assert mode["response_body_mode"] == "NONE"
+    assert ext_proc["allow_mode_override"] is True
     assert ext_proc["response_attributes"] == list(SERVED_ATTRIBUTES)
     assert ext_proc["failure_mode_allow"] is True  # canonical config: fail-open
     assert ext_proc["grpc_service"]["envoy_grpc"]["cluster_name"] == EXTPROC_CLUSTER

@@ -110,8 +110,11 @@ def test_every_endpoint_carries_its_cluster() -> None:
 
 def test_response_attributes_only_when_responses_are_observed() -> None:
     budgeted = _filter(render_bootstrap(_runtime(budget=True)))
-    assert budgeted["processing_mode"]["response_header_mode"] == "SEND"
+    # Response phases are asked for per inference request (a mode override the filter allows).
+    assert budgeted["processing_mode"]["response_header_mode"] == "SKIP"
+    assert budgeted["allow_mode_override"] is True
     assert budgeted["response_attributes"] == list(SERVED_ATTRIBUTES)
     plain = _filter(render_bootstrap(_runtime(budget=False)))
     assert plain["processing_mode"]["response_header_mode"] == "SKIP"
     assert "response_attributes" not in plain
+    assert "allow_mode_override" not in plain
