@@ -318,9 +318,27 @@ def _container(runtime: Runtime, opts: GatewayOptions) -> Json:
             {
                 "name": REDIS_ENV,
                 "valueFrom": {"secretKeyRef": {"name": REDIS_SECRET, "key": REDIS_SECRET_KEY}},
-            }
+            },
+            *_session_secret_env(runtime),
         ]
     return container
+
+
+# The replicas' shared label secret (extproc.config.label_secret): the Redis affinity keys and
+# response links are keyed with it, so replicas share them only when they share it. Not
+# rendered (a manifest is not a secret store); the operator creates it, e.g.
+# kubectl create secret generic fleet-session --from-literal=secret=$(openssl rand -hex 32).
+# Optional: without it each pod draws its own secret and logs a warning.
+SESSION_SECRET = "fleet-session"
+SESSION_SECRET_KEY = "secret"
+
+
+def _session_secret_env(runtime: Runtime) -> list[Json]:
+    session = runtime.config.session
+    if session.label_secret_file or not session.label_secret_env:
+        return []  # a mounted file, or no environment variable to read
+    ref = {"name": SESSION_SECRET, "key": SESSION_SECRET_KEY, "optional": True}
+    return [{"name": session.label_secret_env, "valueFrom": {"secretKeyRef": ref}}]
 
 
 def render_deployment(runtime: Runtime, opts: GatewayOptions) -> Json:

@@ -702,11 +702,16 @@ def test_processor_workload_hangs_together(fleet_name: str, mode: str) -> None:
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
     assert container["securityContext"]["runAsNonRoot"] is True
 
-    (env,) = container["env"]
-    assert env["name"] == "FLEET_REDIS_URL"
-    ref = env["valueFrom"]["secretKeyRef"]
+    env = {e["name"]: e for e in container["env"]}
+    assert set(env) == {"FLEET_REDIS_URL", "FLEET_SESSION_SECRET"}
+    ref = env["FLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"]
     secret = by_name(objs, "Secret")[ref["name"]]
     assert secret["stringData"][ref["key"]] == cfg.redis.url
+    # The replicas' shared label secret (keys the Redis affinity entries): the operator's own
+    # Secret, never rendered, optional so that a pod without it still starts.
+    session_ref = env["FLEET_SESSION_SECRET"]["valueFrom"]["secretKeyRef"]
+    assert session_ref == {"name": "fleet-session", "key": "secret", "optional": True}
+    assert session_ref["name"] not in by_name(objs, "Secret")
 
     service = by_name(objs, "Service")["fleet-extproc"]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
