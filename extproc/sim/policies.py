@@ -191,12 +191,13 @@ class Spill(Bulkheads):
         return len(self._moved)
 
 
-class Flow(Bulkheads):
+class Flow(Spill):
     """The gateway's flow control (extproc.core.flow, ARCHITECTURE.md "Flow control"): a new
     session is tried on its candidates in hash order and starts on the first whose class
     budget has room (remembered, as the gateway's override); an existing session stays on its
     cluster; a request refused everywhere waits in its primary's (cluster, class) queue if the
-    estimated wait fits its class's max wait (``SimConfig.waits``), else gets its 429."""
+    estimated wait fits its class's max wait (``SimConfig.waits``), else gets its 429. Unlike
+    ``Spill`` it does not read queue waits: only the budget moves a new session."""
 
     name = "hash-2+bulkheads+flow"
     description = (
@@ -205,35 +206,14 @@ class Flow(Bulkheads):
     )
     waits = True
 
-    def __init__(self, spill_wait_s: float = 2.0) -> None:
-        super().__init__(spill_wait_s)
-        self._moved: dict[int, int] = {}
-
-    def spill(self, new: bool) -> bool:
-        return new
-
     def route(self, view: FleetView, session: int, new: bool, now: float) -> Candidates:
-        home = self._moved.get(session)
-        if home is not None and view.alive[home]:
-            return [(home, home)]
         if not new:
             return super().route(view, session, new, now)
         alive = view.alive
         ranked = [c for c in view.table[session].tolist() if c >= 0 and alive[c]]
         if not ranked:
-            return super().route(view, session, new, now)
+            return PrimarySecondary.route(self, view, session, new, now)
         return [(c, c) for c in ranked]
-
-    def placed(self, view: FleetView, session: int, cluster: int) -> None:
-        if cluster != view.primary[session]:
-            self._moved[session] = cluster
-
-    def refresh(self, view: FleetView) -> None:
-        self._moved = {s: c for s, c in self._moved.items() if view.member[c]}
-
-    @property
-    def spilled(self) -> int:
-        return len(self._moved)
 
 
 class CoreAffinity(Bulkheads):
