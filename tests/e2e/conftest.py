@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import collections
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from extproc.core.placement import Placement
 from extproc.harness.launch import Client, FleetStack
 
 
@@ -41,3 +44,37 @@ def make_client() -> Iterator[Callable[[int], Client]]:
     yield make
     for client in made:
         client.close()
+
+
+def kill_primary_then_restart(
+    stack: FleetStack,
+    client: Client,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    placement: Placement,
+    return_within_s: float = 10,
+) -> None:
+    """SIGKILL the session's primary: 40 sequential requests through the outage must all
+    succeed on the pre-assigned secondary; after a restart the session returns to its primary.
+
+    SIGKILL, and wait until the process is gone: a request written to the dying engine would
+    fail rather than be retried (issue 12: it could run twice)."""
+    stack.sims[placement.primary].kill()
+    served: list[str] = []
+    for _ in range(40):  # through the outage, before and after the picker notices
+        status, hdrs, data = client.post_json(path, body, headers)
+        assert status == 200, (data[:200], dump_logs(stack))
+        served.append(hdrs["x-served-by"])
+        time.sleep(0.05)
+    assert set(served) == {placement.secondary}, collections.Counter(served)
+
+    stack.restart_sim(placement.primary)
+    deadline = time.monotonic() + return_within_s
+    while True:
+        status, hdrs, _ = client.post_json(path, body, headers)
+        assert status == 200
+        if hdrs["x-served-by"] == placement.primary:
+            break
+        assert time.monotonic() < deadline, "session never returned to its primary"
+        time.sleep(0.2)

@@ -7,7 +7,6 @@ the envoy.lb dynamic metadata (primary endpoint first, the secondary's on retry)
 
 from __future__ import annotations
 
-import collections
 import signal
 import time
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import pytest
 
 from extproc.config import load_runtime
 from extproc.harness.launch import FleetStack
-from tests.e2e.conftest import MakeClient, dump_logs
+from tests.e2e.conftest import MakeClient, dump_logs, kill_primary_then_restart
 from tests.e2e.predict import placement_for
 
 CHAT = "/v1/chat/completions"
@@ -54,26 +53,7 @@ def test_picker_sends_sessions_to_primary_endpoint_and_falls_back(
     headers = {"x-session-id": "epp-failover"}
     body = _body("keep going")
     placement = placement_for(runtime, CHAT, body, headers)
-    # SIGKILL, and wait until the process is gone: a request written to the dying engine would
-    # fail rather than be retried (issue 12: it could run twice).
-    picker.sims[placement.primary].kill()
-    served: list[str] = []
-    for _ in range(40):  # through the outage, before and after the picker notices
-        status, hdrs, data = client.post_json(CHAT, body, headers)
-        assert status == 200, (data[:200], dump_logs(picker))
-        served.append(hdrs["x-served-by"])
-        time.sleep(0.05)
-    assert set(served) == {placement.secondary}, collections.Counter(served)
-
-    picker.restart_sim(placement.primary)
-    deadline = time.monotonic() + 10
-    while True:
-        status, hdrs, _ = client.post_json(CHAT, body, headers)
-        assert status == 200
-        if hdrs["x-served-by"] == placement.primary:
-            break
-        assert time.monotonic() < deadline, "session never returned to its primary endpoint"
-        time.sleep(0.2)
+    kill_primary_then_restart(picker, client, CHAT, body, headers, placement)
 
 
 def test_no_ready_endpoint_gets_503_json(picker: FleetStack, make_client: MakeClient) -> None:

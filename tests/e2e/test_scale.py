@@ -22,7 +22,7 @@ from extproc.config import Runtime, load_runtime
 from extproc.core.placement import Placement
 from extproc.explain import explain_remote
 from extproc.harness.launch import Client, FleetStack, wait_until
-from tests.e2e.conftest import MakeClient, dump_logs
+from tests.e2e.conftest import MakeClient, dump_logs, kill_primary_then_restart
 from tests.e2e.predict import placement_for
 
 CHAT = "/v1/chat/completions"
@@ -89,24 +89,7 @@ def test_failover_to_the_secondary_without_a_failed_request_and_back(
     assert client.post_json(CHAT, body, headers)[1]["x-served-by"] == placement.primary
     # SIGKILL the primary's process (and the 15 clusters it shares it with): connections are
     # refused, which Envoy retries on the next endpoint the processor named.
-    fleet64.sims[placement.primary].kill()
-    served: list[str] = []
-    for _ in range(40):  # through the outage, before and after the prober notices
-        status, hdrs, data = client.post_json(CHAT, body, headers)
-        assert status == 200, (data[:200], dump_logs(fleet64))
-        served.append(hdrs["x-served-by"])
-        time.sleep(0.05)
-    assert set(served) == {placement.secondary}, collections.Counter(served)
-
-    fleet64.restart_sim(placement.primary)
-    deadline = time.monotonic() + 20
-    while True:
-        status, hdrs, _ = client.post_json(CHAT, body, headers)
-        assert status == 200
-        if hdrs["x-served-by"] == placement.primary:
-            break
-        assert time.monotonic() < deadline, "session never returned to its primary"
-        time.sleep(0.2)
+    kill_primary_then_restart(fleet64, client, CHAT, body, headers, placement, 20)
 
 
 def test_a_failing_health_check_excludes_the_cluster_and_its_return_restores_it(

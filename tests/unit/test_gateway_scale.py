@@ -13,17 +13,7 @@ from typing import Any
 
 import yaml
 
-from tests.unit.test_gateway import (
-    CORE_KINDS,
-    check_cel_subset,
-    check_metadata,
-    fleet_data,
-    fleet_from_dict,
-    of_kind,
-    render,
-    schema_key,
-    validate_custom,
-)
+from tests.unit.test_gateway import check_objects, fleet_data, fleet_from_dict, of_kind, render
 
 # A ConfigMap's data is limited to 1 MiB by the API server.
 CONFIG_MAP_LIMIT = 1 << 20
@@ -53,16 +43,7 @@ def test_pair_routes_grow_quadratically_and_the_pool_stays_flat() -> None:
 
 def test_the_pool_rendering_at_512_clusters_is_valid_for_every_kind() -> None:
     objs = render(fleet_of(512, endpoints=8), "inference-pool")
-    seen: set[tuple[str, str]] = set()
-    for obj in objs:
-        check_metadata(obj)
-        ident = (obj["kind"], obj["metadata"]["name"])
-        assert ident not in seen, f"duplicate object {ident}"
-        seen.add(ident)
-        if schema_key(obj) in CORE_KINDS:
-            continue
-        validate_custom(obj)
-        check_cel_subset(obj)
+    check_objects(objs)
     (config_map,) = of_kind(objs, "ConfigMap")
     size = sum(len(v.encode()) for v in config_map["data"].values())
     assert size < CONFIG_MAP_LIMIT, size
