@@ -61,6 +61,12 @@ class Metrics:
             "Requests on non-inference paths, left to Envoy's fallback route.",
             registry=registry,
         )
+        self.header_decisions = Counter(
+            "fleet_header_decisions",
+            "Inference requests decided at their headers, their body never sent to the"
+            " processor (processor.read_body: when_needed).",
+            registry=registry,
+        )
         self.decision_seconds = Histogram(
             "fleet_decision_seconds",
             "Time from the complete body to the processor's answer (parse + decide + admit).",

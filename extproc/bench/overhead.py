@@ -1,10 +1,15 @@
 """`extproc bench overhead`: what the processor adds to Envoy, measured side by side in one run.
 
-Three set-ups on the same machine, the same upstream and the same load generator (wrk):
+Four set-ups on the same machine, the same upstream and the same load generator (wrk), all sent
+the same request (with a session header unless ``--no-session-header``):
 
 - ``envoy``: Envoy alone (no ext_proc filter), routing to the upstream directly;
-- ``bare``: Envoy + a bare processor on the same gRPC stack answering constants — the floor;
-- ``extproc``: Envoy + the real processor (parse, session key, classify, place).
+- ``bare``: Envoy + a bare processor on the same gRPC stack answering constants — the floor
+  (two exchanges, headers then body, like the body path);
+- ``extproc``: Envoy + the real processor on the body path (``processor.read_body: always``:
+  parse, session key, classify, place, admit);
+- ``header``: the real processor on the header path (``read_body: when_needed``, the default):
+  decided at the headers from the session header and content-length, the body never sent.
 
 The upstream is a second Envoy answering every request with a fixed JSON body
 (``direct_response``), so the upstream costs almost nothing and the same in every set-up.
@@ -38,20 +43,24 @@ from extproc.config import load_runtime
 from extproc.harness.launch import LOOPBACK, Proc, envoy_binary, free_port, http_get, wait_until
 from extproc.render.envoy import EnvoyOptions, Mode, ext_type, render_bootstrap
 
-SETUPS = ("envoy", "bare", "extproc")
+SETUPS = ("envoy", "bare", "extproc", "header")
 BASELINE_SETUP = "baseline"
 # `extproc-wN`: the real processor as N worker processes sharing the port (SO_REUSEPORT).
 WORKER_SETUP = "extproc-w"
-SIZES = {"1KB": 1024, "64KB": 64 * 1024, "4MiB": 4 * 1024 * 1024}
+SIZES = {"1KB": 1024, "64KB": 64 * 1024, "4MiB": 4 << 20, "16MiB": 16 << 20}
+# The body path: every set-up of the real processor but ``header`` reads the body.
+BODY_PATH = {"processor": {"read_body": "always"}}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 WRK_SCRIPT = """
 local f = io.open("{body}", "rb")
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-wrk.body = f:read("*all")
+{session}wrk.body = f:read("*all")
 f:close()
 """
+# One session for the whole run: placement is the same work for any key.
+SESSION_LINE = 'wrk.headers["x-session-id"] = "bench-agent-1"\n'
 
 
 def chat_body(size: int) -> bytes:
@@ -198,9 +207,15 @@ def cpu_seconds(pid: int) -> float:
 
 class Bench:
     def __init__(
-        self, workdir: Path, duration: float, wrk: str, baseline_src: Path | None = None
+        self,
+        workdir: Path,
+        duration: float,
+        wrk: str,
+        baseline_src: Path | None = None,
+        session_header: bool = True,
     ) -> None:
         self.workdir = workdir
+        self.session_header = session_header
         self.baseline_src = baseline_src
         self.duration = duration
         self.wrk = wrk
@@ -232,11 +247,18 @@ class Bench:
         self.runtime = load_runtime(self.fleet_path)
         self.procs: list[Proc] = []
 
-    def variant_config(self, name: str) -> Path:
+    def setup_config(self, setup: str) -> Path:
+        """The fleet.yaml of a set-up of the real processor: the body path (``extproc``, its
+        workers and variants), the header path (``header``: the defaults), or the baseline's
+        (the defaults, which an older revision reads as its own)."""
+        if setup in ("header", BASELINE_SETUP):
+            return self.fleet_path
         doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.fleet.items()}
-        for section, values in VARIANTS[name].items():
-            doc[section] = {**doc.get(section, {}), **values}
-        path = self.workdir / f"fleet-{name}.yaml"
+        variant = setup.partition("+")[2]
+        for extra in (BODY_PATH, VARIANTS[variant] if variant else {}):
+            for section, values in extra.items():
+                doc[section] = {**doc.get(section, {}), **values}
+        path = self.workdir / f"fleet-{setup}.yaml"
         path.write_text(yaml.safe_dump(doc))
         return path
 
@@ -296,10 +318,9 @@ class Bench:
             # The older tree first on the path: its `extproc` shadows the installed one.
             env = {"PYTHONPATH": str(self.baseline_src)}
             processor = Proc(setup, argv, self.workdir / f"{setup}.log", env=env)
-        elif setup.startswith("extproc"):
+        elif setup.startswith("extproc") or setup == "header":
             workers = int(setup.removeprefix(WORKER_SETUP)) if setup.startswith(WORKER_SETUP) else 1
-            variant = setup.partition("+")[2]
-            config_path = self.variant_config(variant) if variant else self.fleet_path
+            config_path = self.setup_config(setup)
             argv = [
                 sys.executable,
                 "-m",
@@ -323,10 +344,10 @@ class Bench:
             def ready(proc: Proc = processor, n: int = expected) -> bool:
                 return proc.log_text().count("READY ") >= n
 
-            wait_until(ready, 30, f"{setup} processor")
+            wait_until(ready, 120, f"{setup} processor")  # a loaded machine starts slowly
         mode: Mode = "round_robin" if setup == "envoy" else "extproc"
-        variant = setup.partition("+")[2]
-        runtime = load_runtime(self.variant_config(variant)) if variant else self.runtime
+        processes = setup.startswith("extproc") or setup == "header"
+        runtime = load_runtime(self.setup_config(setup)) if processes else self.runtime
         config = render_bootstrap(runtime, EnvoyOptions(mode=mode, access_log_path=None))
         front = self._envoy(f"front-{setup}", config, self.front_admin)
         wait_until(lambda: _healthy(self.front_admin), 20, "front envoy sees upstream healthy")
@@ -345,7 +366,8 @@ class Bench:
         if not body_path.exists():
             body_path.write_bytes(chat_body(SIZES[size]))
         script = self.workdir / f"post-{size}.lua"
-        script.write_text(WRK_SCRIPT.format(body=body_path))
+        session = SESSION_LINE if self.session_header else ""
+        script.write_text(WRK_SCRIPT.format(body=body_path, session=session))
         threads = 1 if connections == 1 else 2
         url = f"http://{LOOPBACK}:{self.front_port}/v1/chat/completions"
         argv = [
@@ -354,6 +376,9 @@ class Bench:
             f"-c{connections}",
             f"-d{max(1, round(duration))}s",  # wrk takes whole seconds
             "--latency",
+            # wrk's 2 s default counts a 16 MiB request queued behind 15 others as an error.
+            "--timeout",
+            "60s",
             "-s",
             str(script),
             url,
@@ -405,14 +430,17 @@ def run_bench(
     baseline: str | None = None,
     setups_wanted: list[str] | None = None,
     rounds: int = 1,
+    session_header: bool = True,
 ) -> list[WrkResult]:
     wrk = shutil.which("wrk")
     if not wrk:
-        raise FileNotFoundError("wrk not found: apt-get install wrk")
+        raise FileNotFoundError(
+            "wrk not found: `make bench` installs it (apt-get install wrk), or install it by hand"
+        )
     results: list[WrkResult] = []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         baseline_src = _checkout(baseline, Path(tmp) / "baseline") if baseline else None
-        bench = Bench(Path(tmp), duration, wrk, baseline_src)
+        bench = Bench(Path(tmp), duration, wrk, baseline_src, session_header)
         try:
             bench.start_upstream()
             setups = list(setups_wanted or SETUPS) + ([BASELINE_SETUP] if baseline_src else [])
@@ -529,37 +557,56 @@ def medians(results: list[WrkResult]) -> list[WrkResult]:
     return out
 
 
+def _ratio(num: float | None, den: float | None) -> str:
+    return f"{num / den:.2f}" if num and den else "-"
+
+
+def _path_cells(
+    envoy: WrkResult, bare: WrkResult, body: WrkResult | None, head: WrkResult | None
+) -> list[str]:
+    """One row of the summary: Envoy alone, bare, the body path and the header path."""
+
+    def each(fmt: str, get: Any, rows: tuple[WrkResult | None, ...] = (body, head)) -> str:
+        return " / ".join(fmt.format(get(x)) if x is not None else "-" for x in rows)
+
+    bare_cpu = bare.proc_cpu_us_per_req
+    return [
+        envoy.size,
+        str(envoy.connections),
+        f"{envoy.p50_ms:.3f} / {envoy.p99_ms:.3f}",
+        f"{bare.p50_ms:.3f} / {bare.p99_ms:.3f}",
+        each("{}", lambda x: f"{x.p50_ms:.3f} / {x.p99_ms:.3f}", (body,)),
+        each("{}", lambda x: f"{x.p50_ms:.3f} / {x.p99_ms:.3f}", (head,)),
+        each("{:.3f}", lambda x: x.p50_ms - envoy.p50_ms),
+        each("{:.3f}", lambda x: x.p99_ms - envoy.p99_ms),
+        each("{:.2f}", lambda x: x.rps / envoy.rps, (bare, body, head)),
+        each("{:.0f}", lambda x: x.proc_cpu_us_per_req or 0.0, (bare, body, head)),
+        each("{}", lambda x: _ratio(x.proc_cpu_us_per_req, bare_cpu)),
+    ]
+
+
 def summarize(results: list[WrkResult]) -> list[str]:
     by = {(r.setup, r.size, r.connections): r for r in medians(results)}
     lines = [
-        "| body | conns | p50 / p99 ms: Envoy alone | + bare | + extproc "
-        "| added p50 ms (extproc - Envoy) | rps: Envoy / bare / extproc | extproc / Envoy rps "
-        "| processor CPU us/req: bare / extproc | extproc / bare CPU |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| body | conns | p50 / p99 ms: Envoy alone | + bare | + extproc, body path "
+        "| + extproc, header path | added p50 ms: body / header | added p99 ms: body / header "
+        "| rps ÷ Envoy alone: bare / body / header "
+        "| processor CPU us/req: bare / body / header | CPU ÷ bare: body / header |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (setup, size, conns), r in by.items():
         if setup != "envoy":
             continue
-        bare, real = by.get(("bare", size, conns)), by.get(("extproc", size, conns))
-        if bare is None or real is None:
+        bare = by.get(("bare", size, conns))
+        body = by.get(("extproc", size, conns))
+        head = by.get(("header", size, conns))
+        if bare is None or (body is None and head is None):
             continue
-        bare_cpu, real_cpu = bare.proc_cpu_us_per_req or 0.0, real.proc_cpu_us_per_req or 0.0
-        cpu_ratio = f"{real_cpu / bare_cpu:.2f}" if bare_cpu and real_cpu else "-"
-        cells = [
-            size,
-            str(conns),
-            f"{r.p50_ms:.3f} / {r.p99_ms:.3f}",
-            f"{bare.p50_ms:.3f} / {bare.p99_ms:.3f}",
-            f"{real.p50_ms:.3f} / {real.p99_ms:.3f}",
-            f"{real.p50_ms - r.p50_ms:.3f}",
-            f"{r.rps:.0f} / {bare.rps:.0f} / {real.rps:.0f}",
-            f"{real.rps / r.rps:.2f}",
-            f"{bare_cpu:.0f} / {real_cpu:.0f}",
-            cpu_ratio,
-        ]
+        cells = _path_cells(r, bare, body, head)
         lines.append("| " + " | ".join(cells) + " |")
     if len(lines) == 2:
         lines = []  # envoy / bare not run (--setups): no such rows
+    lines += _header_cpu_growth(by)
     multi = sorted({r.setup for r in results if r.setup.startswith(WORKER_SETUP)})
     lines += _against_extproc(by, multi, "rps: extproc (1 worker) / ", with_ratio=True)
     extras = sorted({r.setup for r in results if "+" in r.setup})
@@ -593,10 +640,22 @@ def _against_baseline(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
     return lines
 
 
+def _header_cpu_growth(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
+    """The header path's CPU per request at each size ÷ at 1 KB: the body should cost nothing."""
+    out = []
+    for (setup, size, conns), r in by.items():
+        small = by.get(("header", "1KB", conns))
+        if setup != "header" or size == "1KB" or small is None:
+            continue
+        ratio = _ratio(r.proc_cpu_us_per_req, small.proc_cpu_us_per_req)
+        out.append(f"header path, {size} ÷ 1KB CPU per request at {conns} connections: {ratio}")
+    return ["", *out] if out else []
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
     parser.add_argument("--warmup", type=float, default=1.0)
-    parser.add_argument("--sizes", default="1KB,64KB,4MiB")
+    parser.add_argument("--sizes", default=",".join(SIZES))
     parser.add_argument("--connections", default="1,16")
     parser.add_argument(
         "--workers", default="1,2", help="processor worker counts to compare (1 = the extproc row)"
@@ -616,10 +675,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--setups",
         default=",".join(SETUPS),
-        help=f"which of {','.join(SETUPS)} to run (the summary tables need all three)",
+        help=f"which of {','.join(SETUPS)} to run (the summary table needs envoy and bare)",
     )
     parser.add_argument(
         "--rounds", type=int, default=1, help="repeat every set-up, alternating the order"
+    )
+    parser.add_argument(
+        "--no-session-header",
+        dest="session_header",
+        action="store_false",
+        help="send no x-session-id (the body path keys by the prompt; nothing takes the header"
+        " path)",
     )
     parser.add_argument("--json-out", default="out/bench/overhead.json")
 
@@ -651,6 +717,7 @@ def run(args: argparse.Namespace) -> int:
         args.baseline,
         setups,
         args.rounds,
+        args.session_header,
     )
     print("\n".join(summarize(results)))
     out = Path(args.json_out)

@@ -77,6 +77,10 @@ class Runtime:
     # How long a learnt response link lives; None: previous_response_id is not followed
     # (session.follow_previous_response off, or no response inspection to learn links from).
     response_link_ttl_s: float | None = None
+    # Decide at the request headers when the body adds nothing (processor.read_body and a
+    # session header configured; extproc.core.facts.header_facts says per request). A policy
+    # that reads the body (e.g. placement by model) must turn this off.
+    decide_at_headers: bool = False
     # Bound of the per-replica session memory (affinity.max_sessions).
     max_sessions: int = 1_000_000
     served_by_header: str | None = "x-served-by"
@@ -190,6 +194,9 @@ def compile_runtime(
             cfg.session.response_link_ttl_s
             if cfg.session.follow_previous_response and cfg.processor.inspect_usage
             else None
+        ),
+        decide_at_headers=(
+            cfg.processor.read_body == "when_needed" and cfg.session.header is not None
         ),
         max_sessions=cfg.affinity.max_sessions,
         served_by_header=served,

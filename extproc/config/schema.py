@@ -88,6 +88,12 @@ class ProcessorConfig(Strict):
     # Envoy fails over is still charged to the cluster that served it once its response
     # begins (its budget is then exceeded by the failed-over requests admitted meanwhile).
     probe_clusters: bool = False
+    # when_needed: a request whose decision needs nothing from its body (it carries the trusted
+    # session header and a content-length) is decided at its headers, and Envoy is told not to
+    # send the body (one ext_proc exchange, no body copy). Its body is then not checked: bad
+    # JSON reaches the upstream, which answers its own 400. always: every inference body is
+    # read and validated by the processor (two exchanges). ARCHITECTURE.md, "The header path".
+    read_body: Literal["when_needed", "always"] = "when_needed"
     # SIGTERM (a deploy): the replica reports NOT_SERVING and keeps taking new ext_proc streams
     # for drain_delay_s (what Envoy's health checks, 1 s apart, or a Kubernetes endpoint update
     # need to send new streams elsewhere), then refuses new ones and keeps serving the streams

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import orjson
 
 from extproc.core.api import Api, BadRequest, ErrorStyle, api_for_path
-from extproc.core.keys import KeyRules, KeySource, SessionKey, derive_session_key
+from extproc.core.keys import (
+    KeyRules,
+    KeySource,
+    SessionKey,
+    derive_session_key,
+    header_session_key,
+)
 from extproc.core.response_links import valid_response_id
 
 
@@ -38,6 +44,10 @@ class RequestFacts:
     body_bytes: int
     # Responses API: the response this turn continues (extproc.core.response_links).
     previous_response_id: str | None = None
+    # False: decided at the request headers (header_facts), the body never read: model,
+    # max_output_tokens and stream are then unknown ("", None, False) and body_bytes is the
+    # declared content-length.
+    body_read: bool = True
 
 
 def _content_type_ok(value: str | None) -> bool:
@@ -57,6 +67,73 @@ def _max_output_tokens(body: Mapping[str, object]) -> int | None:
     return None
 
 
+def _too_large(length: int, limits: ParseLimits, style: ErrorStyle) -> BadRequest | None:
+    if length <= limits.max_body_bytes:
+        return None
+    return BadRequest(
+        413,
+        f"request body is {length} bytes; this gateway accepts at most "
+        f"{limits.max_body_bytes} bytes",
+        "request_too_large",
+        style,
+    )
+
+
+def _not_json(headers: Mapping[str, str], style: ErrorStyle) -> BadRequest | None:
+    if _content_type_ok(headers.get("content-type")):
+        return None
+    return BadRequest(400, "Content-Type must be application/json", "invalid_request_error", style)
+
+
+def content_length(headers: Mapping[str, str]) -> int | None:
+    """The declared body size, or None (absent: a chunked upload; or not plain ASCII digits)."""
+    value = headers.get("content-length")
+    if value is None or not value.isascii() or not value.isdigit():
+        return None
+    return int(value)
+
+
+def header_facts(
+    path: str,
+    headers: Mapping[str, str],
+    rules: KeyRules,
+    limits: ParseLimits,
+) -> RequestFacts | BadRequest | None:
+    """The facts of a request whose decision needs nothing from its body, or None.
+
+    That is a request that carries the trusted session header (the key) and a content-length
+    (the size, hence the token estimate and the class): the same facts the body would give for
+    every field the decision reads (placement: the key; class: size and tier; admission: the
+    estimate). Nothing in the body is checked: bad JSON goes upstream, which answers its own
+    400 (``processor.read_body: always`` keeps the processor validating). None: the body is
+    needed (no session header, or no content-length — a chunked upload, whose size is known
+    only once it has arrived).
+    """
+    session = header_session_key(headers, rules)
+    if session is None:
+        return None
+    length = content_length(headers)
+    api = api_for_path(path)
+    if length is None or length == 0 or api is None:
+        return None
+    style = api.error_style
+    bad = _too_large(length, limits, style) or _not_json(headers, style)
+    if bad is not None:
+        return bad
+    tier = headers.get(rules.tier_header) if rules.tier_header else None
+    return RequestFacts(
+        api=api,
+        model="",
+        session=session,
+        input_tokens=max(1, int(length / limits.bytes_per_token)),
+        max_output_tokens=None,
+        tier=tier or None,
+        stream=False,
+        body_bytes=length,
+        body_read=False,
+    )
+
+
 def parse_request(
     path: str,
     headers: Mapping[str, str],
@@ -74,18 +151,9 @@ def parse_request(
         return BadRequest(
             404, f"no inference API at {path.split('?', 1)[0]}", "not_found_error", style
         )
-    if len(body) > limits.max_body_bytes:
-        return BadRequest(
-            413,
-            f"request body is {len(body)} bytes; this gateway accepts at most "
-            f"{limits.max_body_bytes} bytes",
-            "request_too_large",
-            style,
-        )
-    if not _content_type_ok(headers.get("content-type")):
-        return BadRequest(
-            400, "Content-Type must be application/json", "invalid_request_error", style
-        )
+    bad = _too_large(len(body), limits, style) or _not_json(headers, style)
+    if bad is not None:
+        return bad
     if not body:
         return BadRequest(
             400, "request body is empty; expected a JSON object", "invalid_request_error", style
@@ -133,5 +201,7 @@ __all__ = [
     "ParseLimits",
     "RequestFacts",
     "api_for_path",
+    "content_length",
+    "header_facts",
     "parse_request",
 ]

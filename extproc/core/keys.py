@@ -241,6 +241,16 @@ def chain_key(api: Api, doc: Mapping[str, object], rules: KeyRules) -> SessionKe
     )
 
 
+def header_session_key(headers: Mapping[str, str], rules: KeyRules) -> SessionKey | None:
+    """The key from the trusted session header, or None when the request carries none."""
+    if not rules.header:
+        return None
+    value = headers.get(rules.header)
+    if not value:
+        return None
+    return hash_key(KeySource.HEADER, value.encode("utf-8", "surrogatepass"), rules.label_secret)
+
+
 def derive_session_key(
     api: Api,
     headers: Mapping[str, str],
@@ -250,12 +260,9 @@ def derive_session_key(
     bad = shape_error(api, doc)
     if bad is not None:
         return bad
-    if rules.header:
-        value = headers.get(rules.header)
-        if value:
-            return hash_key(
-                KeySource.HEADER, value.encode("utf-8", "surrogatepass"), rules.label_secret
-            )
+    by_header = header_session_key(headers, rules)
+    if by_header is not None:
+        return by_header
     for path in rules.body_fields:
         value_obj = _lookup(doc, path)
         if isinstance(value_obj, str) and value_obj:

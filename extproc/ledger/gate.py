@@ -515,6 +515,21 @@ class AdmissionGate:
 
     # -- release ----------------------------------------------------------------------------
 
+    def release_if_local(self, ticket: Ticket) -> bool:
+        """Give back a ticket of the in-memory ledger at once (no await, so nothing to shield
+        and no task: the common case, one per request), or an already released one; False for
+        a Redis ticket, which :meth:`release` gives back."""
+        held = self._held.get(ticket.lease)
+        if held is None:
+            return True
+        if held.store != self._local.store:
+            return False
+        del self._held[ticket.lease]
+        self._untrack(held)
+        self._local.release_now(held)
+        self.waiters.freed(held.cluster, held.class_name)
+        return True
+
     async def release(self, ticket: Ticket) -> None:
         """Give a reservation back. Idempotent; logs and counts failures instead of raising.
 
@@ -522,14 +537,12 @@ class AdmissionGate:
         down twice) the release still completes, and only the caller sees CancelledError.
         """
         try:
+            if self.release_if_local(ticket):
+                return
             held = self._held.pop(ticket.lease, None)
             if held is None:
                 return
             self._untrack(held)
-            if held.store == self._local.store:
-                self._local.release_now(held)
-                self.waiters.freed(held.cluster, held.class_name)
-                return
             if self._shared is None:
                 raise RuntimeError(f"ticket from ledger {held.store!r}, which this gate lacks")
             task = asyncio.ensure_future(self._release_shared(self._shared, held))

@@ -22,13 +22,15 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from prometheus_client import Counter
+
 from extproc.config.runtime import Runtime
 from extproc.core.admission import Admitted, Demand, Reject, plan, request_tokens
 from extproc.core.affinity import Decision, Kind, Override, SessionView, place
 from extproc.core.api import Api, BadRequest, api_for_path
 from extproc.core.decide import Route
 from extproc.core.endpoints import engine_key, pick_endpoints
-from extproc.core.facts import RequestFacts, parse_request
+from extproc.core.facts import RequestFacts, header_facts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
 from extproc.core.flow import placement_candidates, secondary_for
 from extproc.core.keys import KeySource
@@ -59,6 +61,20 @@ PREFILL_FAILED_STATUS = "502"
 # ... and how long such a prefiller is skipped: longer than a prober round (1 s) plus its
 # timeout, so the prober's view takes over before the mark expires.
 PREFILL_DOWN_S = 5.0
+
+
+class _Both:
+    """Two counters incremented together (requests by outcome, routes by kind)."""
+
+    __slots__ = ("requests", "routes")
+
+    def __init__(self, requests: Counter, routes: Counter) -> None:
+        self.requests = requests
+        self.routes = routes
+
+    def inc(self) -> None:
+        self.requests.inc()
+        self.routes.inc()
 
 
 class RuntimeHolder:
@@ -98,6 +114,9 @@ class Pipeline:
         self._gate = gate
         self._endpoint_health = endpoint_health
         self.fleet = fleet or FleetState(metrics, runtime.current.max_sessions)
+        # The counters every routed request increments, by (api, class, kind): labels() costs
+        # more than the increment, and the set is bounded by the config (cleared past 4096).
+        self._routed_series: dict[tuple[Api, str, str], _Both] = {}
         # Per-request salt for the policy's hot-key tie-break: a mixed counter, reproducible
         # (no unseeded randomness) and, unlike the bare counter, free of aliasing with periodic
         # traffic (a hot request after every other request would see only even salts).
@@ -211,6 +230,59 @@ class Pipeline:
         # A preview reads the chain key's learnt chains without counting the request.
         rules = runtime.key_rules if record else dataclasses.replace(runtime.key_rules, learn=False)
         facts = parse_request(headers.get(":path", ""), headers, body, rules, runtime.parse_limits)
+        return await self._decide_facts(runtime, api, facts, headers, now, record)
+
+    @property
+    def decides_at_headers(self) -> bool:
+        """Whether :meth:`decide_headers` may decide anything (processor.read_body)."""
+        return self._runtime.current.decide_at_headers
+
+    async def decide_headers(
+        self, headers: Mapping[str, str], now: float, *, record: bool = True
+    ) -> Outcome | None:
+        """The header path: decide an inference request at its headers when its body adds
+        nothing to the decision (extproc.core.facts.header_facts), else None (the body is
+        needed: call :meth:`decide` with it). The outcome is the one :meth:`decide` would
+        take on the same request with its body, for placement, class and admission; the body
+        itself is not checked (ARCHITECTURE.md, "The header path").
+        """
+        outcome = await self.decide_headers_deferred(headers, now, record=record)
+        if isinstance(outcome, Waiting):
+            try:
+                return await outcome.resume()
+            finally:
+                outcome.cancel()
+        return outcome
+
+    async def decide_headers_deferred(
+        self, headers: Mapping[str, str], now: float, *, record: bool = True
+    ) -> Outcome | Waiting | None:
+        """:meth:`decide_headers`, a request queued for budget returned as :class:`Waiting`
+        (as :meth:`decide_deferred`)."""
+        runtime = self._runtime.current
+        if not runtime.decide_at_headers:
+            return None
+        api = inference_api(headers)
+        if api is None:
+            return None
+        facts = header_facts(
+            headers.get(":path", ""), headers, runtime.key_rules, runtime.parse_limits
+        )
+        if facts is None:
+            return None
+        if record:
+            self._metrics.header_decisions.inc()
+        return await self._decide_facts(runtime, api, facts, headers, now, record)
+
+    async def _decide_facts(
+        self,
+        runtime: Runtime,
+        api: Api,
+        facts: RequestFacts | BadRequest,
+        headers: Mapping[str, str],
+        now: float,
+        record: bool,
+    ) -> Outcome | Waiting:
         if isinstance(facts, BadRequest):
             if record:
                 self._count_bad(facts, api)
@@ -317,8 +389,7 @@ class Pipeline:
             if address is not None:
                 hold.prefill_endpoint = address
                 self._prefill_inflight[address] = self._prefill_inflight.get(address, 0) + 1
-        self._metrics.requests.labels(facts.api.value, route.request_class.name, "routed").inc()
-        self._metrics.routes.labels(kind).inc()
+        self._routed_counter(facts.api, route.request_class.name, kind).inc()
         primary = route.placement.primary
         if runtime.affinity.enabled:
             hold.routed_to = primary
@@ -416,6 +487,18 @@ class Pipeline:
         if record:
             self._metrics.response_links.labels("followed" if found else "unknown").inc()
         return facts if found is None else dataclasses.replace(facts, session=found)
+
+    def _routed_counter(self, api: Api, class_name: str, kind: str) -> _Both:
+        key = (api, class_name, kind)
+        both = self._routed_series.get(key)
+        if both is None:
+            if len(self._routed_series) >= 4096:
+                self._routed_series.clear()
+            m = self._metrics
+            both = self._routed_series[key] = _Both(
+                m.requests.labels(api.value, class_name, "routed"), m.routes.labels(kind)
+            )
+        return both
 
     def _count_bad(self, bad: BadRequest, api: Api) -> None:
         outcome = "too_large" if bad.status == 413 else "bad_request"
@@ -776,10 +859,12 @@ class Pipeline:
             else:
                 self._engine_inflight.pop(engine, None)  # a reload may have removed it
         ticket, hold.ticket = hold.ticket, None
-        if ticket is not None and self._gate is not None:
-            # Shielded: the stream may be ending by cancellation (client or upstream abort), and
-            # a second cancel must not abandon the release half-way (a Redis round trip).
-            await asyncio.shield(self._gate.release(ticket))
+        # In memory: given back at once, no task per request (a shield costs one). Redis:
+        # shielded, as the stream may be ending by cancellation (client or upstream abort)
+        # and a second cancel must not abandon the release half-way (a round trip).
+        gate = self._gate
+        if ticket is not None and gate is not None and not gate.release_if_local(ticket):
+            await asyncio.shield(gate.release(ticket))
 
     async def aclose(self) -> None:
         """Close the shared affinity store's connections."""

@@ -98,6 +98,52 @@ def extend_message_timeout(seconds: float) -> ep.ProcessingResponse:
     return ep.ProcessingResponse(override_message_timeout=timeout)
 
 
+_PM = processing_mode_pb2.ProcessingMode
+
+
+def _skip_request_body(
+    response_headers: bool, response_body: bool
+) -> processing_mode_pb2.ProcessingMode:
+    # Envoy takes both body modes from an override whatever it says (a lone request_body_mode
+    # NONE would also turn response_body_mode to NONE), so every mode is explicit: the
+    # response phases the processor reads (Runtime.response_phases, as
+    # continue_inference_headers asks for them on the body path). Trailers: Envoy 1.40
+    # closes the ext_proc stream as soon as it expects no further message (ext_proc_stream_close_optimization: after this answer when
+    # the request sends no body or trailers and the response nothing; else after the response
+    # headers), and the stream's end is when the processor gives back the request's budget.
+    # Response trailers SEND keeps the stream for the whole exchange at no cost (Envoy sends
+    # that message only for a response that has trailers), as on the body path.
+    # tests/e2e/test_header_path.py holds a budget through a generation, JSON and SSE.
+    return _PM(
+        request_header_mode=_PM.SEND,
+        request_body_mode=_PM.NONE,
+        request_trailer_mode=_PM.SEND,
+        response_header_mode=_PM.SEND if response_headers else _PM.SKIP,
+        response_body_mode=_PM.BUFFERED if response_body else _PM.NONE,
+        response_trailer_mode=_PM.SEND,
+    )
+
+
+# The header path's override, by (response phases read, response body read).
+SKIP_REQUEST_BODY = {
+    (headers, body): _skip_request_body(headers, body)
+    for headers in (False, True)
+    for body in (False, True)
+}
+
+
+def _request_answer(
+    common: ep.CommonResponse, skip_body: processing_mode_pb2.ProcessingMode | None
+) -> ep.ProcessingResponse:
+    """The answer to the request-headers message (``skip_body``: the header path's override,
+    the body never sent) or, without it, to the request-body message."""
+    if skip_body is None:
+        return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+    return ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(response=common), mode_override=skip_body
+    )
+
+
 def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
     return base_pb2.HeaderValueOption(
         header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=_OVERWRITE
@@ -132,11 +178,14 @@ class RouteAnswers:
         ask_load_report: bool = False,
         prefiller: str | None = None,
         engine_key: str | None = None,
+        skip_body: processing_mode_pb2.ProcessingMode | None = None,
     ) -> ep.ProcessingResponse:
         """Set routing headers and make Envoy re-pick the route.
 
         clear_route_cache is what makes the router re-evaluate `cluster_header: x-fleet-route`;
         it only works because the header phase was SENT (with SKIP, routing is already final).
+        ``skip_body`` (one of SKIP_REQUEST_BODY): answer the headers message instead (the
+        header path), and tell Envoy not to send the body.
         """
         placement = route.placement
         common = ep.CommonResponse(clear_route_cache=True)
@@ -160,7 +209,7 @@ class RouteAnswers:
         if prefiller is not None:
             # P/D: the decode-side sidecar (llm-d) prefills there, then decodes locally.
             sets.append(self._entry(PREFILLER_HEADER, prefiller))
-        return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+        return _request_answer(common, skip_body)
 
 
 # The Inference Extension's Endpoint Picker protocol: the header and the envoy.lb metadata key
@@ -170,9 +219,14 @@ LB_NAMESPACE = "envoy.lb"
 
 
 def endpoint_response(
-    route: Route, facts: RequestFacts, endpoints: Sequence[str], prefiller: str | None = None
+    route: Route,
+    facts: RequestFacts,
+    endpoints: Sequence[str],
+    prefiller: str | None = None,
+    skip_body: processing_mode_pb2.ProcessingMode | None = None,
 ) -> ep.ProcessingResponse:
-    """Body-phase answer in endpoint-picker mode: the primary's endpoint, then the fallback.
+    """Answer in endpoint-picker mode: the primary's endpoint, then the fallback (to the body
+    message, or with ``skip_body`` to the headers message, as :meth:`RouteAnswers.route`).
 
     No clear_route_cache: the route (to the pool) is fixed; only the host choice changes.
     """
@@ -187,9 +241,9 @@ def endpoint_response(
         sets.append(_set(PREFILLER_HEADER, prefiller))
     metadata = struct_pb2.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: value}})
-    return ep.ProcessingResponse(
-        request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata
-    )
+    answer = _request_answer(common, skip_body)
+    answer.dynamic_metadata.CopyFrom(metadata)
+    return answer
 
 
 def immediate(

@@ -64,6 +64,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._metrics = pipeline.metrics
         self._active = 0
         self._answers = responses.RouteAnswers()
+        # The header path's mode override for the runtime it was built from.
+        self._skip_for: object = None
+        self._skip = responses.SKIP_REQUEST_BODY[False, False]
         self._clock = clock
         # The whole phase contract, in one table. Phases we never ask Envoy for (see the
         # processing_mode we render) still get a pass-through answer so a mis-configured
@@ -102,7 +105,10 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         outcome = await answer.resume()
                     finally:
                         answer.cancel()  # the stream ended first: leave the queue
-                    yield self._answer(state, outcome, responses.CONTINUE_BODY)
+                    if state.waits_at_headers:
+                        yield self._header_answer(state, outcome)
+                    else:
+                        yield self._answer(state, outcome, responses.CONTINUE_BODY)
                     continue
                 yield answer
         except asyncio.CancelledError:
@@ -132,7 +138,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
         return handler
 
-    async def _on_request_headers(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
+    async def _on_request_headers(
+        self, state: StreamState, request: Any
+    ) -> ep.ProcessingResponse | Waiting:
         msg = request.request_headers
         state.headers = _header_map(msg.headers)
         state.request_id = state.headers.get("x-request-id", "")
@@ -144,21 +152,61 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         api = inference_api(state.headers)
         if api is not None and not msg.end_of_stream:
             state.api = api
-            runtime = self.pipeline.runtime
-            return responses.continue_inference_headers(
-                runtime.response_phases, runtime.inspect_usage
-            )
+            if self.pipeline.decides_at_headers:
+                return await self._decide_at_headers(state)
+            return self._awaiting_body()
         # Not an inference request, or one without a body: decided on the headers alone.
         state.decided = True
         outcome = await self.pipeline.decide(state.headers, None, self._clock())
         return self._answer(state, outcome, responses.CONTINUE_HEADERS)
+
+    async def _decide_at_headers(self, state: StreamState) -> ep.ProcessingResponse | Waiting:
+        """The header path: when the body adds nothing to the decision, decide now and tell
+        Envoy not to send it (one exchange instead of two, no body copy). Otherwise wait for
+        the body, as without the header path. If the filter does not allow the override,
+        Envoy sends the body anyway; it then passes, the request already decided."""
+        started = self._clock()
+        outcome = await self.pipeline.decide_headers_deferred(state.headers, started)
+        if outcome is None:
+            return self._awaiting_body()
+        state.decided = True
+        if isinstance(outcome, Waiting):
+            state.waits_at_headers = True
+            return outcome
+        if isinstance(outcome, (Routed, Rejected)):
+            self._metrics.decision_seconds.observe(self._clock() - started)
+        return self._header_answer(state, outcome)
+
+    def _awaiting_body(self) -> ep.ProcessingResponse:
+        """The answer to an inference request's headers while its body is awaited."""
+        runtime = self.pipeline.runtime
+        return responses.continue_inference_headers(runtime.response_phases, runtime.inspect_usage)
+
+    def _header_answer(self, state: StreamState, outcome: Outcome) -> ep.ProcessingResponse:
+        """The answer to the headers message for an outcome decided there."""
+        if not isinstance(outcome, Routed):
+            # A refusal (429, 413, 400) waits for the body: answered while a large body is
+            # still uploading, Envoy replies and closes the connection under the client's
+            # writes, which then sees a reset instead of the answer and its retry hints.
+            # Envoy buffers the body as on the body path (no override) and the refusal
+            # answers its body message (or its trailers, for a body-less request).
+            state.deferred = self._answer(state, outcome, responses.CONTINUE_HEADERS)
+            return responses.CONTINUE_HEADERS
+        runtime = self.pipeline.runtime
+        if runtime is not self._skip_for:
+            # The override asks for the response phases the processor reads (the rendered
+            # filter skips them; responses.continue_inference_headers on the body path).
+            self._skip_for = runtime
+            self._skip = responses.SKIP_REQUEST_BODY[runtime.response_phases, runtime.inspect_usage]
+        return self._answer(state, outcome, responses.CONTINUE_HEADERS, self._skip)
 
     async def _on_request_body(
         self, state: StreamState, request: Any
     ) -> ep.ProcessingResponse | Waiting:
         api = state.api
         if api is None or state.decided:
-            return responses.CONTINUE_BODY
+            deferred, state.deferred = state.deferred, None
+            return deferred or responses.CONTINUE_BODY
         msg = request.request_body
         started = self._clock()
         state.decided = True
@@ -182,7 +230,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     async def _on_request_trailers(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
         if state.api is None or state.decided:
-            return responses.CONTINUE_TRAILERS
+            deferred, state.deferred = state.deferred, None
+            return deferred or responses.CONTINUE_TRAILERS
         # Headers, then trailers, and no data: Envoy sends no body message at all, so this is
         # the only chance to answer (the body is empty). An ImmediateResponse here is honoured.
         state.decided = True
@@ -190,9 +239,14 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return self._answer(state, outcome, responses.CONTINUE_TRAILERS)
 
     def _answer(
-        self, state: StreamState, outcome: Outcome, proceed: ep.ProcessingResponse
+        self,
+        state: StreamState,
+        outcome: Outcome,
+        proceed: ep.ProcessingResponse,
+        skip_body: processing_mode_pb2.ProcessingMode | None = None,
     ) -> ep.ProcessingResponse:
-        """The Envoy answer for an outcome; ``proceed`` is this phase's "continue"."""
+        """The Envoy answer for an outcome; ``proceed`` is this phase's "continue";
+        ``skip_body``: a routing answer to the headers message (the header path)."""
         if isinstance(outcome, Routed):
             state.hold = outcome.hold
             prefiller = outcome.prefill.address if outcome.prefill is not None else None
@@ -203,6 +257,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     self.pipeline.asks_load_reports,
                     prefiller,
                     outcome.engine_key,
+                    skip_body,
                 )
             if not outcome.endpoints:
                 return responses.error_response(
@@ -212,7 +267,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     "no_ready_endpoint",
                 )
             return responses.endpoint_response(
-                outcome.route, outcome.facts, outcome.endpoints, prefiller
+                outcome.route, outcome.facts, outcome.endpoints, prefiller, skip_body
             )
         if isinstance(outcome, Rejected):
             return responses.reject_response(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
 from extproc.core.api import Api
 from extproc.pipeline.outcomes import Hold
 
@@ -22,5 +24,10 @@ class StreamState:
     # BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED or GRPC): a body message without end_of_stream is then
     # not the whole body. In BUFFERED mode it is (trailers follow).
     partial_bodies: bool = False
+    # The header path's refusal (an ImmediateResponse), decided at the headers and given as
+    # the answer to the body (or trailers) message, once the client has sent its body.
+    deferred: ep.ProcessingResponse | None = None
+    # Decided at the headers but queued for budget: the wait's outcome answers the headers.
+    waits_at_headers: bool = False
     # What a routed exchange holds (budget, in-flight count, usage scanner) until it ends.
     hold: Hold | None = None

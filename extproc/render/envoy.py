@@ -430,7 +430,9 @@ def _wait_timer(runtime: Runtime) -> Json:
 def _ext_proc_filter(runtime: Runtime) -> Json:
     proc = runtime.config.processor
     extra: Json = {}
-    if runtime.response_phases:
+    if runtime.response_phases or runtime.decide_at_headers:
+        # The processor's request-headers answer turns response phases on per inference
+        # request, and the header path turns the request body off (request_body_mode NONE).
         extra["allow_mode_override"] = True
     if _may_pick_endpoints(runtime):
         # Without this Envoy silently drops the envoy.lb metadata the picker returns.

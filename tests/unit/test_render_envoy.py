@@ -294,3 +294,22 @@ def test_host_map_rewrites_addresses(canonical: Runtime) -> None:
     }
     (listener,) = config["static_resources"]["listeners"]
     assert listener["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 10000}
+
+
+def test_mode_override_is_allowed_only_when_something_overrides() -> None:
+    """The header path (read_body: when_needed) and the response phases the processor reads are
+    asked for with a mode_override, which Envoy ignores without allow_mode_override; with
+    neither, the filter refuses overrides."""
+
+    def allows(**processor: Any) -> bool:
+        doc = yaml.safe_load(CANONICAL.read_text())
+        doc["processor"].update(processor)
+        # No budgets: the processor then reads no response phase (Runtime.response_phases),
+        # which would otherwise allow overrides on its own.
+        doc["classes"] = [{"name": "any"}]
+        filters = _hcm(render_bootstrap(compile_runtime(parse_config(doc))))["http_filters"]
+        return bool(filters[0]["typed_config"].get("allow_mode_override", False))
+
+    assert allows()  # the default: the header path
+    assert not allows(read_body="always")
+    assert allows(read_body="always", inspect_usage=True)
