@@ -107,12 +107,11 @@ def _skip_request_body(
     # Envoy takes both body modes from an override whatever it says (a lone request_body_mode
     # NONE would also turn response_body_mode to NONE), so every mode is explicit: the
     # response phases the processor reads (Runtime.response_phases, as
-    # continue_inference_headers asks for them on the body path). Trailers: Envoy 1.40
-    # closes the ext_proc stream as soon as it expects no further message (ext_proc_stream_close_optimization: after this answer when
-    # the request sends no body or trailers and the response nothing; else after the response
-    # headers), and the stream's end is when the processor gives back the request's budget.
-    # Response trailers SEND keeps the stream for the whole exchange at no cost (Envoy sends
-    # that message only for a response that has trailers), as on the body path.
+    # continue_inference_headers asks for them on the body path). Trailers: Envoy 1.40 ends
+    # the ext_proc stream as soon as it expects no further message
+    # (ext_proc_stream_close_optimization), and the stream's end is when the processor gives
+    # back the request's budget. Response trailers SEND keeps the stream for the whole
+    # exchange at no cost (Envoy sends that message only for a response that has trailers).
     # tests/e2e/test_header_path.py holds a budget through a generation, JSON and SSE.
     return _PM(
         request_header_mode=_PM.SEND,

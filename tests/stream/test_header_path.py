@@ -270,7 +270,7 @@ async def test_one_exchange_and_the_body_paths_routing(
         (answer,) = await exchange(fast, [headers_msg(CHAT, extra=extra)])
         first, second = await exchange(slow, [headers_msg(CHAT, extra=extra), body_msg(body)])
         assert not first.request_headers.HasField("response")
-        assert not first.HasField("mode_override")
+        assert first.mode_override.request_body_mode == PM.BUFFERED  # the body is asked for
         assert header_answer(answer, fast.runtime) == routed(second)
     assert fast.sample("fleet_header_decisions_total") == 3
     assert fast.sample("fleet_request_body_bytes_count") == 0  # no body reached the processor
@@ -286,7 +286,7 @@ async def test_chunked_upload_takes_the_body_path(
     body = chat("z" * 20000)
     extra = {"x-session-id": "agent-chunked", "transfer-encoding": "chunked"}
     first, second = await exchange(proc, [headers_msg(CHAT, extra=extra), body_msg(body)])
-    assert not first.HasField("mode_override")
+    assert first.mode_override.request_body_mode == PM.BUFFERED  # the body is asked for
     assert not first.request_headers.HasField("response")
     by_body = routed(second)
     (declared,) = await exchange(
@@ -319,7 +319,7 @@ async def test_refusals_decided_at_headers_answer_the_body(
     proc = await start()
     too_big = {"x-session-id": "a", "content-length": str(proc.max_body_bytes + 1)}
     first, second = await exchange(proc, [headers_msg(MESSAGES, extra=too_big), body_msg(b"{}")])
-    assert not first.HasField("mode_override")
+    assert not first.HasField("mode_override")  # the rendered modes: the body is sent
     assert not first.request_headers.HasField("response")
     status, doc, _ = immediate(second)
     assert status == 413 and doc["type"] == "error"  # Anthropic's own format

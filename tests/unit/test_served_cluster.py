@@ -114,7 +114,11 @@ def test_response_attributes_only_when_responses_are_observed() -> None:
     assert budgeted["processing_mode"]["response_header_mode"] == "SKIP"
     assert budgeted["allow_mode_override"] is True
     assert budgeted["response_attributes"] == list(SERVED_ATTRIBUTES)
-    plain = _filter(render_bootstrap(_runtime(budget=False)))
+    plain_runtime = _runtime(budget=False)
+    plain = _filter(render_bootstrap(plain_runtime))
     assert plain["processing_mode"]["response_header_mode"] == "SKIP"
     assert "response_attributes" not in plain
-    assert "allow_mode_override" not in plain
+    # Without response phases, overrides are allowed only for the header path (it skips the
+    # request body: processor.read_body, on by default; tests/unit/test_render_envoy.py).
+    assert not plain_runtime.response_phases and plain_runtime.decide_at_headers
+    assert plain["allow_mode_override"] is True
