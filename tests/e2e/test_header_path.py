@@ -88,13 +88,16 @@ def test_bad_json_on_the_header_path_is_answered_by_the_upstream(
     assert "JSON" in orjson.loads(data)["error"]["message"]
 
 
+@pytest.mark.parametrize("session_header", [True, False], ids=["header-path", "body-path"])
 def test_a_request_decided_at_headers_holds_its_budget_until_it_ends(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, session_header: bool
 ) -> None:
     """Envoy ends an ext_proc stream once it expects no further message, and the stream's end
     is when the budget is given back: the header path's override keeps a phase pending
     (response trailers), so a class that admits one request at a time refuses a second one
-    while the first generates (JSON and SSE), and admits again once it has ended."""
+    while the first generates (JSON and SSE), and admits again once it has ended. The same
+    holds on the body path (no session header), whose request-headers answer turns the
+    response phases on (responses.continue_inference_headers)."""
     classes = [{"name": "only", "budget": {"max_concurrent": 1}}]
     stack = FleetStack(
         tmp_path_factory.mktemp("header-hold"),
@@ -103,7 +106,9 @@ def test_a_request_decided_at_headers_holds_its_budget_until_it_ends(
         sim_args=("--time-scale", "1", "--decode-tps", "40"),
         fleet_overrides={"classes": classes},
     )
-    headers = {"x-session-id": "agent-hold", "content-type": "application/json"}
+    headers = {"content-type": "application/json"}
+    if session_header:
+        headers["x-session-id"] = "agent-hold"
 
     def held() -> float:
         samples = stack.processor_metrics()
@@ -131,8 +136,8 @@ def test_a_request_decided_at_headers_holds_its_budget_until_it_ends(
                 status, _, _ = second_client.request("POST", CHAT, body, headers)
                 assert status == 200
                 wait_until(lambda: held() == 0, 10, "the budget to be given back")
-            decided = stack.processor_metrics()[("fleet_header_decisions_total", ())]
-            assert decided == 6
+            decided = stack.processor_metrics().get(("fleet_header_decisions_total", ()), 0.0)
+            assert decided == (6 if session_header else 0)
         finally:
             first_client.close()
             second_client.close()
