@@ -116,22 +116,7 @@ def cross_check(cfg: FleetConfig) -> list[str]:
                     f"classes[{i}].eligible[{j}]: duplicate of eligible[{seen_refs[ref]}]"
                 )
             seen_refs.setdefault(ref, j)
-        b = cls.budget
-        limit = cls.max_input_tokens
-        # A bounded class must be able to admit its own largest request; otherwise those
-        # requests could only ever get 413. (The catch-all class has no bound to check.)
-        # The bucket's capacity exactly as admission computes it (0 = one second of refill).
-        burst = effective_burst(Budget(0, 0, b.tokens_per_second, b.burst_tokens))
-        if b.tokens_per_second and limit and burst < limit - 1:
-            problems.append(
-                f"classes[{i}].budget.burst_tokens: must be >= max_input_tokens - 1 "
-                f"({limit - 1}) or the largest requests of the class never fit"
-            )
-        if b.max_inflight_tokens and limit and b.max_inflight_tokens < limit - 1:
-            problems.append(
-                f"classes[{i}].budget.max_inflight_tokens: must be >= max_input_tokens - 1 "
-                f"({limit - 1}) or the largest requests of the class never fit"
-            )
+        problems.extend(_budget_fits(f"classes[{i}].budget", cls.budget, cls.max_input_tokens))
         for j, earlier in enumerate(cfg.classes[:i]):
             if _shadows(earlier, cls):
                 problems.append(
@@ -157,6 +142,7 @@ def cross_check(cfg: FleetConfig) -> list[str]:
             )
     problems.extend(_affinity_problems(cfg))
     problems.extend(_pd_problems(cfg))
+    problems.extend(_model_problems(cfg))
     ports = {
         "listener.port": cfg.listener.port,
         "listener.admin_port": cfg.listener.admin_port,
@@ -228,6 +214,93 @@ def _pd_problems(cfg: FleetConfig) -> list[str]:
                 f"classes[{i}].prefill_budget.burst_tokens: must be >= max_input_tokens - 1 "
                 f"({limit - 1}) or the largest requests of the class never fit"
             )
+    return problems
+
+
+def _budget_fits(path: str, b: BudgetConfig, limit: int | None) -> list[str]:
+    """A bounded class must be able to admit its own largest request; otherwise those requests
+    could only ever get 413. (The catch-all class has no bound to check.)"""
+    problems: list[str] = []
+    # The bucket's capacity exactly as admission computes it (0 = one second of refill).
+    burst = effective_burst(Budget(0, 0, b.tokens_per_second, b.burst_tokens))
+    if b.tokens_per_second and limit and burst < limit - 1:
+        problems.append(
+            f"{path}.burst_tokens: must be >= max_input_tokens - 1 "
+            f"({limit - 1}) or the largest requests of the class never fit"
+        )
+    if b.max_inflight_tokens and limit and b.max_inflight_tokens < limit - 1:
+        problems.append(
+            f"{path}.max_inflight_tokens: must be >= max_input_tokens - 1 "
+            f"({limit - 1}) or the largest requests of the class never fit"
+        )
+    return problems
+
+
+def _model_problems(cfg: FleetConfig) -> list[str]:
+    """Every requestable model name must resolve to one model (extproc.core.models)."""
+    problems: list[str] = []
+    listing = [i for i, c in enumerate(cfg.clusters) if c.models]
+    if not listing:
+        if cfg.models:
+            problems.append(
+                "models: needs clusters that list the models they serve (clusters[].models)"
+            )
+        return problems
+    for i, c in enumerate(cfg.clusters):
+        if not c.models:
+            # Mixed fleets are ambiguous: would such a cluster serve every model, or none?
+            problems.append(
+                f"clusters[{i}].models: required when any cluster lists models "
+                f"(clusters[{listing[0]}] does)"
+            )
+    # name -> (what it is, the model it resolves to, where it was first declared)
+    seen: dict[str, tuple[str, str, str]] = {}
+
+    def claim(name: str, kind: str, target: str, where: str) -> None:
+        prior = seen.get(name)
+        if prior is None:
+            seen[name] = (kind, target, where)
+        elif (prior[0], prior[1]) != (kind, target):
+            problems.append(
+                f"{where}: {name!r} is already the {prior[0]} of {prior[1]!r} at {prior[2]}"
+            )
+
+    for i, c in enumerate(cfg.clusters):
+        for j, served in enumerate(c.models):
+            where = f"clusters[{i}].models[{j}]"
+            if isinstance(served, str):
+                claim(served, "model", served, where)
+                continue
+            claim(served.name, "model", served.name, f"{where}.name")
+            for k, alias in enumerate(served.aliases):
+                claim(alias, "alias", served.name, f"{where}.aliases[{k}]")
+            for k, adapter in enumerate(served.adapters):
+                claim(adapter, "adapter", served.name, f"{where}.adapters[{k}]")
+    class_names = {c.name: c for c in cfg.classes}
+    declared: dict[str, int] = {}
+    for i, m in enumerate(cfg.models):
+        if m.name in declared:
+            problems.append(f"models[{i}].name: duplicate of models[{declared[m.name]}]")
+        declared.setdefault(m.name, i)
+        if m.base is not None:
+            base = seen.get(m.base)
+            if base is not None and base[0] != "model":
+                problems.append(f"models[{i}].base: {m.base!r} is an {base[0]}, not a base model")
+            claim(m.name, "adapter", m.base, f"models[{i}]")
+        else:
+            prior = seen.get(m.name)
+            if prior is not None and prior[0] == "alias":
+                problems.append(
+                    f"models[{i}].name: {m.name!r} is an alias of {prior[1]!r}; use that name"
+                )
+            elif prior is None:
+                seen[m.name] = ("model", m.name, f"models[{i}]")
+        for cls, budget in m.budgets.items():
+            if cls not in class_names:
+                problems.append(f"models[{i}].budgets.{cls}: no class named {cls!r}")
+            else:
+                limit = class_names[cls].max_input_tokens
+                problems.extend(_budget_fits(f"models[{i}].budgets.{cls}", budget, limit))
     return problems
 
 

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import Literal
 
 from extproc.config.label_secret import resolve_label_secret
-from extproc.config.schema import AffinityConfig, FleetConfig, ProcessorConfig
+from extproc.config.schema import AffinityConfig, FleetConfig, PricesConfig, ProcessorConfig
 from extproc.core.affinity import AffinityParams
 from extproc.core.chains import ChainParams, ChainSketch
 from extproc.core.decide import Policy
@@ -26,6 +26,7 @@ from extproc.core.fleet import Budget, Cluster, RequestClass
 from extproc.core.flow import FlowParams, WaitPolicy
 from extproc.core.keys import KeyRules
 from extproc.core.load import LOAD_HEADERS
+from extproc.core.models import Candidates, Catalog, ServedModel, build_catalog, candidates
 from extproc.core.pd import (
     PdPlan,
     PrefillEndpoint,
@@ -70,6 +71,8 @@ class Runtime:
     label_secret_source: str = "process"  # file | env | process (extproc.config.label_secret)
     redis: RedisSettings = field(default_factory=RedisSettings)
     prices: Prices = field(default_factory=Prices)
+    # Per canonical model where fleet.yaml's models[] sets prices; others use ``prices``.
+    model_prices: Mapping[str, Prices] = field(default_factory=lambda: MappingProxyType({}))
     endpoint_picker: bool = False  # processor.mode, auto resolved (picks_endpoints)
     # Engine choice inside a cluster (fleet.yaml engines; extproc.core.endpoints).
     engines: EngineChoice = field(default_factory=EngineChoice)
@@ -105,7 +108,7 @@ class Runtime:
         sidecar status. The rendered filter skips response phases by default and the
         processor asks for them per inference request (a mode override), so that nothing
         else, above all Envoy's own answer to a malformed request, waits on the processor."""
-        budgets = any(c.budget.enforced for c in self.policy.classes)
+        budgets = any(c.budget.enforced for c in self.policy.all_classes())
         return self.affinity.enabled or self.inspect_usage or budgets or self.pd is not None
 
 
@@ -143,6 +146,8 @@ def compile_runtime(
         else everyone
         for cls in classes
     }
+    catalog = compile_catalog(cfg)
+    model_placers, model_classes = compile_model_policy(cfg, catalog, classes, weights)
     material = raw if raw is not None else cfg.model_dump_json().encode()
     served = cfg.affinity.served_by_header
     label_secret = resolve_label_secret(cfg.session)
@@ -150,7 +155,14 @@ def compile_runtime(
         config=cfg,
         version=hashlib.sha256(material).hexdigest()[:12],
         clusters=clusters,
-        policy=Policy(classes, MappingProxyType(placers)),
+        policy=Policy(
+            classes,
+            MappingProxyType(placers),
+            catalog,
+            model_placers,
+            model_classes,
+            cfg.model_routing.unavailable_retry_after_s,
+        ),
         key_rules=KeyRules(
             header=cfg.session.header,
             body_fields=tuple(tuple(f.split(".")) for f in cfg.session.body_fields),
@@ -180,7 +192,10 @@ def compile_runtime(
             on_unavailable=cfg.redis.on_unavailable,
             replicas=cfg.redis.replicas,
         ),
-        prices=Prices(cfg.prices.cached_input, cfg.prices.uncached_input, cfg.prices.output),
+        prices=_prices(cfg.prices),
+        model_prices=MappingProxyType(
+            {m.name: _prices(m.prices) for m in cfg.models if m.prices is not None}
+        ),
         endpoint_picker=picks_endpoints(cfg.processor, len(clusters)),
         engines=EngineChoice(
             sticky=cfg.engines.affinity == "sticky",
@@ -222,6 +237,60 @@ def picks_endpoints(processor: ProcessorConfig, n_clusters: int) -> bool:
     if processor.mode == "auto":
         return n_clusters > processor.pool_above_clusters
     return processor.mode == "endpoint_picker"
+
+
+def _prices(cfg: PricesConfig) -> Prices:
+    return Prices(cfg.cached_input, cfg.uncached_input, cfg.output)
+
+
+def compile_catalog(cfg: FleetConfig) -> Catalog:
+    """fleet.yaml's models: each cluster's served models and the fleet-wide declared ones."""
+    served = [
+        (
+            c.name,
+            [
+                ServedModel(m)
+                if isinstance(m, str)
+                else ServedModel(m.name, tuple(m.aliases), tuple(m.adapters))
+                for m in c.models
+            ],
+        )
+        for c in cfg.clusters
+    ]
+    return build_catalog(served, [(m.name, m.base) for m in cfg.models])
+
+
+def compile_model_policy(
+    cfg: FleetConfig,
+    catalog: Catalog,
+    classes: tuple[RequestClass, ...],
+    weights: Mapping[str, float],
+) -> tuple[Mapping[tuple[str, str], Candidates], Mapping[tuple[str, str], RequestClass]]:
+    """One placer per (class, model) with somewhere to go, and the classes that a model's own
+    budget replaces (named "<class>@<model>": their own ledger compartments)."""
+    placers: dict[tuple[str, str], Candidates] = {}
+    # Prefill-only clusters never take a request themselves (extproc.core.pd).
+    roles = {c.name: c.role for c in cfg.clusters}
+    weights = {n: w for n, w in weights.items() if roles.get(n) != "prefill"}
+    for model in catalog.models.values():
+        for cls in classes:
+            found = candidates(model, cls.eligible, weights)
+            if found is not None:
+                placers[(cls.name, model.name)] = found
+    budgets = {m.name: m.budgets for m in cfg.models}
+    per_model: dict[tuple[str, str], RequestClass] = {}
+    for name, by_class in budgets.items():
+        for cls in classes:
+            b = by_class.get(cls.name)
+            if b is not None and name in catalog.models:
+                per_model[(cls.name, name)] = dataclasses.replace(
+                    cls,
+                    name=f"{cls.name}@{name}",
+                    budget=Budget(
+                        b.max_inflight_tokens, b.max_concurrent, b.tokens_per_second, b.burst_tokens
+                    ),
+                )
+    return MappingProxyType(placers), MappingProxyType(per_model)
 
 
 def with_sketch(runtime: Runtime, sketch: ChainSketch) -> Runtime:

@@ -17,6 +17,8 @@ HeaderName = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9-]*$")]
 # Kubernetes label-value syntax, so topology labels can come from node labels.
 TopologyKey = Annotated[str, Field(pattern=r"^[a-z0-9]([a-z0-9_-]*[a-z0-9])?$", max_length=63)]
 TopologyLabel = Annotated[str, Field(pattern=r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")]
+# A model name as clients send it in the body's "model" field (e.g. "meta-llama/Llama-3.1-8B").
+ModelName = Annotated[str, Field(pattern=r"^[^\s]+$", max_length=256)]
 
 
 class Strict(BaseModel):
@@ -103,6 +105,16 @@ class ProcessorConfig(Strict):
     drain_timeout_s: float | None = Field(default=None, ge=0)
 
 
+class ServedModelConfig(Strict):
+    """A model one cluster serves (vLLM's --served-model-name): a request naming it or one of
+    its aliases may be placed there. ``adapters`` are LoRA adapters of this base model loaded on
+    the cluster: any cluster of the base may serve them, these are preferred."""
+
+    name: ModelName
+    aliases: list[ModelName] = []
+    adapters: list[ModelName] = []
+
+
 class ClusterConfig(Strict):
     name: ClusterName
     endpoints: list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-\[\]:]+:[0-9]{1,5}$")]] = Field(
@@ -117,6 +129,10 @@ class ClusterConfig(Strict):
     # Disaggregated prefill/decode (extproc.core.pd; DisaggregationConfig below).
     role: Literal["both", "prefill", "decode"] = "both"
     topology: dict[TopologyKey, TopologyLabel] = {}
+    # The models this cluster serves (ServedModelConfig; a bare name is a model without aliases
+    # or adapters). Empty on every cluster: the fleet is model-agnostic, as before models
+    # existed (every request is placed whatever its "model" says).
+    models: list[ModelName | ServedModelConfig] = []
 
 
 class SessionConfig(Strict):
@@ -237,6 +253,27 @@ class PricesConfig(Strict):
     cached_input: float = 0.30
     uncached_input: float = 3.00
     output: float = 15.00
+
+
+class ModelConfig(Strict):
+    """Fleet-wide settings of one model or adapter, by its canonical name (optional).
+
+    A model listed here that no cluster serves is known but unavailable (503 with a retry hint,
+    not 404): what a fleet says while the last cluster of a model is being replaced."""
+
+    name: ModelName
+    # An adapter served by every cluster of its base (none has it loaded yet).
+    base: ModelName | None = None
+    # $ per million tokens for this model's cost metrics; unset: the fleet's `prices`.
+    prices: PricesConfig | None = None
+    # A class budget for this model, per class name, replacing the class's own budget (a 70B
+    # model's KV per token is not an 8B model's). Its compartment is (class, model, cluster).
+    budgets: dict[ClassName, BudgetConfig] = {}
+
+
+class ModelRoutingConfig(Strict):
+    # Retry-After of the 503 for a known model with no cluster to serve it.
+    unavailable_retry_after_s: int = Field(default=5, ge=1, le=60)
 
 
 class AffinityConfig(Strict):
@@ -381,3 +418,5 @@ class FleetConfig(Strict):
     disaggregation: DisaggregationConfig = DisaggregationConfig()
     flow: FlowConfig = FlowConfig()
     engines: EnginesConfig = EnginesConfig()
+    models: list[ModelConfig] = []
+    model_routing: ModelRoutingConfig = ModelRoutingConfig()

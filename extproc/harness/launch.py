@@ -160,6 +160,11 @@ class FleetStack:
     cluster_fields_by_name: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Start the simulated clusters with --fleet fleet.yaml: each serves its P/D role.
     sims_read_fleet: bool = False
+    # Models per cluster name ("c1", ...): listed in fleet.yaml and served by the simulated
+    # cluster (which answers vLLM's 404 for any other). Unset: model-agnostic, as before.
+    # An entry is a name or fleet.yaml's {name, aliases, adapters}; the simulated cluster
+    # serves every one of those names (as vLLM serves its --served-model-name list and adapters).
+    cluster_models: Mapping[str, Sequence[str | Mapping[str, Any]]] = field(default_factory=dict)
     processors: int = 1
     processor_args: tuple[str, ...] = ()
     processor_env: Mapping[str, str] = field(default_factory=dict)
@@ -223,6 +228,7 @@ class FleetStack:
                     "endpoints": endpoints,
                     **self.cluster_fields,
                     **self.cluster_fields_by_name.get(name, {}),
+                    **self._models_field(name),
                 }
                 for name, endpoints in self.cluster_endpoints().items()
             ],
@@ -253,6 +259,19 @@ class FleetStack:
 
     def engine_address(self, name: str) -> str:
         return f"{LOOPBACK}:{self.sim_specs[name].port}"
+
+    def _models_field(self, name: str) -> dict[str, Any]:
+        models = self.cluster_models.get(name)
+        return {"models": list(models)} if models else {}
+
+    def _sim_args(self, name: str) -> tuple[str, ...]:
+        names: list[str] = []
+        for entry in self.cluster_models.get(name, ()):
+            if isinstance(entry, str):
+                names.append(entry)
+            else:
+                names += [entry["name"], *entry.get("aliases", ()), *entry.get("adapters", ())]
+        return (*self.sim_args, "--models", ",".join(names)) if names else self.sim_args
 
     def write_configs(self) -> None:
         self.fleet_path = self.workdir / "fleet.yaml"
@@ -304,11 +323,11 @@ class FleetStack:
         self.grpc_port = self.grpc_ports[0]
         for i in range(1, self.clusters + 1):
             if self.engines <= 1:
-                spec = SimSpec(f"c{i}", self._port(), self.sim_args)
+                spec = SimSpec(f"c{i}", self._port(), self._sim_args(f"c{i}"))
                 self.sim_specs[spec.name] = spec
                 continue
             for j in range(1, self.engines + 1):
-                spec = SimSpec(f"c{i}-e{j}", self._port(), self.sim_args, cluster=f"c{i}")
+                spec = SimSpec(f"c{i}-e{j}", self._port(), self._sim_args(f"c{i}"), cluster=f"c{i}")
                 self.sim_specs[spec.name] = spec
         self.write_configs()
         try:
@@ -396,11 +415,19 @@ class FleetStack:
 
     def add_cluster(self, name: str) -> None:
         """Start one more simulated cluster and add it to fleet.yaml (the processor reloads)."""
-        spec = SimSpec(name, self._port(), self.sim_args)
+        spec = SimSpec(name, self._port(), self._sim_args(name))
         self.sim_specs[name] = spec
         self.start_sim(name)
         wait_until(lambda: _ok(spec.port, "/health"), 20, f"sim cluster {name}")
         write_atomically(self.fleet_path, yaml.safe_dump(self.fleet_config(), sort_keys=False))
+
+    def remove_cluster(self, name: str) -> None:
+        """Take a cluster out of fleet.yaml (the processor reloads), then stop it."""
+        del self.sim_specs[name]
+        write_atomically(self.fleet_path, yaml.safe_dump(self.fleet_config(), sort_keys=False))
+        proc = self.sims.pop(name, None)
+        if proc is not None:
+            proc.stop()
 
     def start_processor(self, index: int = 0, extra: Sequence[str] = ()) -> Proc:
         argv = [sys.executable, "-m", "extproc", "serve", "--config", str(self.fleet_path)]

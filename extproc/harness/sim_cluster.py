@@ -146,6 +146,9 @@ class SimClusterConfig:
     # This process is one engine of cluster ``name`` (echoed in x-served-by-engine); empty:
     # the process is the whole cluster.
     engine_id: str = ""
+    # The models this cluster serves (vLLM's --served-model-name plus its LoRA adapters);
+    # others get vLLM's 404. Empty: any model name is served (the simulator's old behaviour).
+    models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -255,6 +258,15 @@ def _error_body(api: ApiKind, status: int, message: str) -> dict[str, object]:
         return {"type": "error", "error": {"type": kind, "message": message}}
     kind = "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def _model_not_found(api: ApiKind, model: str) -> dict[str, object]:
+    """vLLM's answer to a model it does not serve (its _check_model): a 404 NotFoundError in
+    the OpenAI error shape; on the Anthropic API, Anthropic's not_found_error shape."""
+    message = f"The model `{model}` does not exist."
+    if api == "anthropic-messages":
+        return {"type": "error", "error": {"type": "not_found_error", "message": message}}
+    return {"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}}
 
 
 def _requested_tokens(api: ApiKind, body: Mapping[str, Any]) -> int | None:
@@ -412,10 +424,9 @@ class SimCluster:
         return response
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": "sim", "object": "model", "owned_by": "sim"}]},
-            headers=self._base_headers(),
-        )
+        names = self.config.models or ("sim",)
+        data = [{"id": n, "object": "model", "owned_by": "sim"} for n in names]
+        return web.json_response({"object": "list", "data": data}, headers=self._base_headers())
 
     async def _get_fault(self, request: web.Request) -> web.Response:
         return web.json_response(self._fault.to_json(), headers=self._base_headers())
@@ -533,6 +544,11 @@ class SimCluster:
             self.metrics.requests.labels(api=api, code="404").inc()
             return web.json_response(
                 not_found_body(exc.response_id), status=404, headers=self._base_headers()
+            )
+        if self.config.models and parsed.model not in self.config.models:
+            self.metrics.requests.labels(api=api, code="404").inc()
+            return web.json_response(
+                _model_not_found(api, parsed.model), status=404, headers=self._base_headers()
             )
         self.executions[request.headers.get("x-request-id", "")] += 1
         if self._fault.mode == "reset":

@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fleets on one machine: 64 clusters need not be 64 processes)",
     )
     parser.add_argument(
+        "--models",
+        default="",
+        help="comma-separated models served (others get vLLM's 404); empty: any model",
+    )
+    parser.add_argument(
         "--engine",
         choices=SIM_ENGINES,
         default="sim",
@@ -76,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> SimClusterConfig:
         max_output=args.max_output,
         engine=args.engine,
         engine_id=args.engine_id,
+        models=tuple(m for m in args.models.split(",") if m),
     )
 
 

@@ -179,8 +179,8 @@ class AdmissionGate:
 
     def publish_limits(self, runtime: Runtime) -> None:
         """Export every (cluster, class) budget as gauges; call again after a reload."""
-        for cls in runtime.policy.classes:
-            for cluster in cls.eligible or runtime.cluster_names:
+        for cls in runtime.policy.all_classes():
+            for cluster in runtime.policy.clusters_of(cls, runtime.cluster_names):
                 self._publish(cluster, cls.name, cls.budget.resolved())
 
     def _publish(self, cluster: str, class_name: str, limits: Budget) -> None:
@@ -745,7 +745,7 @@ def workers_problem(runtime: Runtime, workers: int) -> str | None:
     """
     if workers <= 1 or runtime.redis.url:  # overrides (--redis-url, $FLEET_REDIS_URL) included
         return None
-    budgeted = [cls.name for cls in runtime.policy.classes if cls.budget.enforced]
+    budgeted = [cls.name for cls in runtime.policy.all_classes() if cls.budget.enforced]
     if not budgeted:
         return None
     return (

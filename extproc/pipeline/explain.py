@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from extproc.config.runtime import Runtime
 from extproc.core.api import BadRequest
-from extproc.pipeline.outcomes import Outcome, Passthrough, Rejected, Routed
+from extproc.pipeline.outcomes import (
+    ModelList,
+    Outcome,
+    Passthrough,
+    Rejected,
+    Routed,
+    Unavailable,
+)
 
 
 def explain_outcome(runtime: Runtime, outcome: Outcome) -> dict[str, object]:
@@ -12,12 +19,24 @@ def explain_outcome(runtime: Runtime, outcome: Outcome) -> dict[str, object]:
     base: dict[str, object] = {"config_version": runtime.version}
     if isinstance(outcome, Passthrough):
         return {**base, "outcome": "passthrough"}
+    if isinstance(outcome, ModelList):
+        return {**base, "outcome": "model_list"}
     if isinstance(outcome, BadRequest):
         return {
             **base,
             "outcome": "bad_request",
             "status": outcome.status,
             "message": outcome.message,
+        }
+    if isinstance(outcome, Unavailable):
+        return {
+            **base,
+            "outcome": "model_unavailable",
+            "status": 503,
+            "model": outcome.miss.model,
+            "class": outcome.miss.class_name,
+            "retry_after_s": outcome.miss.retry_after_s,
+            "message": outcome.miss.message,
         }
     facts, route = outcome.facts, outcome.route
     cls = route.request_class
@@ -41,7 +60,8 @@ def explain_outcome(runtime: Runtime, outcome: Outcome) -> dict[str, object]:
         "primary": route.placement.primary,
         "secondary": route.placement.secondary,
         "x-fleet-route": route.placement.route,
-        "preference_order": runtime.policy.placers[cls.name].ranked(facts.session.point),
+        "model": route.model or None,
+        "preference_order": runtime.policy.placer(route).ranked(facts.session.point),
         "budget_per_cluster": {
             "max_inflight_tokens": budget.max_inflight_tokens,
             "max_concurrent": budget.max_concurrent,

@@ -1,12 +1,14 @@
 """What the pipeline answers for one request, and what a routed exchange holds until it ends.
 
-Four outcomes, each translated to one Envoy answer by the protocol shell
+Six outcomes, each translated to one Envoy answer by the protocol shell
 (extproc/protocol/server.py, with extproc/protocol/responses.py building the messages):
 
 - :class:`Passthrough` — not an inference request: Envoy proceeds untouched;
 - :class:`~extproc.core.api.BadRequest` — the client's fault: a JSON error in the API's format;
 - :class:`Rejected` — admission said no (429 with retry hints, 413 never admissible, 503 ledger
   unavailable under the ``closed`` policy);
+- :class:`Unavailable` — a known model with no cluster to go to: 503 with a retry hint;
+- :class:`ModelList` — GET /v1/models of a model-aware fleet: the union of its models;
 - :class:`Routed` — where the request goes (clusters, or endpoints in endpoint-picker mode);
   its :class:`Hold` is what :meth:`~extproc.pipeline.pipeline.Pipeline.release` gives back.
 
@@ -24,6 +26,7 @@ from extproc.core.api import Api, BadRequest
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
 from extproc.core.keys import SessionKey
+from extproc.core.models import ModelUnavailable
 from extproc.core.pd import PrefillChoice
 from extproc.core.usage import SseUsageScanner
 
@@ -54,6 +57,8 @@ class Hold:
     # Usage inspection only: the cluster credited with the response's tokens (the primary, or
     # the serving cluster the response names) and the scanner when the response is SSE.
     usage_cluster: str | None = None
+    # The canonical model whose prices cost the usage ("" : the fleet's prices).
+    usage_model: str = ""
     usage_scanner: SseUsageScanner | None = None
     # The cluster that served the response, when Envoy or the engine named one of ours.
     served_by: str | None = None
@@ -110,7 +115,22 @@ class Rejected:
     reject: Reject
 
 
-Outcome = Routed | Rejected | BadRequest | Passthrough
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """A known model with no cluster to place it on: 503 with a retry hint (nothing held)."""
+
+    facts: RequestFacts
+    miss: ModelUnavailable
+
+
+@dataclass(frozen=True, slots=True)
+class ModelList:
+    """GET /v1/models in a model-aware fleet: the fleet's union, answered by the processor."""
+
+    body: bytes
+
+
+Outcome = Routed | Rejected | BadRequest | Passthrough | Unavailable | ModelList
 
 
 @dataclass(slots=True)

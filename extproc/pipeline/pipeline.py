@@ -21,20 +21,30 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from urllib.parse import unquote
 
+import orjson
 from prometheus_client import Counter
 
 from extproc.config.runtime import Runtime
 from extproc.core.admission import Admitted, Demand, Reject, plan, request_tokens
 from extproc.core.affinity import Decision, Kind, Override, SessionView, place
-from extproc.core.api import Api, BadRequest, api_for_path
-from extproc.core.decide import Route
+from extproc.core.api import Api, BadRequest, ErrorStyle, api_for_path, canonical_path
+from extproc.core.decide import Route, base_class_name
 from extproc.core.endpoints import engine_key, pick_endpoints
 from extproc.core.facts import RequestFacts, header_facts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
 from extproc.core.flow import placement_candidates, secondary_for
 from extproc.core.keys import KeySource
 from extproc.core.load import ORCA_HEADER, parse_load_headers
+from extproc.core.models import (
+    MODELS_PATH,
+    ModelMiss,
+    ModelUnavailable,
+    UnknownModel,
+    model_list,
+    model_object,
+)
 from extproc.core.pd import PrefillChoice
 from extproc.core.placement import Placement, mix64
 from extproc.core.usage import SseUsageScanner, Usage, response_id_from_body, usage_from_body
@@ -46,9 +56,11 @@ from extproc.pipeline.fleet_state import FleetState
 from extproc.pipeline.outcomes import (
     PASSTHROUGH,
     Hold,
+    ModelList,
     Outcome,
     Rejected,
     Routed,
+    Unavailable,
     Waiting,
 )
 
@@ -212,6 +224,9 @@ class Pipeline:
         awaits ``resume()`` (and calls ``cancel()`` if the stream ends first)."""
         api = inference_api(headers)
         if api is None:
+            listing = self._model_listing(headers)
+            if listing is not None:
+                return listing
             if record:
                 self._metrics.passthrough.inc()
             return PASSTHROUGH
@@ -260,7 +275,8 @@ class Pipeline:
         """:meth:`decide_headers`, a request queued for budget returned as :class:`Waiting`
         (as :meth:`decide_deferred`)."""
         runtime = self._runtime.current
-        if not runtime.decide_at_headers:
+        if not runtime.decide_at_headers or runtime.policy.models.enabled:
+            # A model-aware fleet places by the body's "model": the body is needed.
             return None
         api = inference_api(headers)
         if api is None:
@@ -293,12 +309,25 @@ class Pipeline:
             and facts.session.source is KeySource.PREFIX
         ):
             facts = await self._follow(runtime, facts, now, record)
-        route = runtime.policy.route(facts)
+        placed = runtime.policy.place(facts)
+        if not isinstance(placed, Route):
+            return self._model_miss(facts, placed, record)
+        route = placed
+        if route.model and not self._any_ready(runtime, route):
+            return self._model_miss(
+                facts,
+                ModelUnavailable(
+                    route.model,
+                    route.request_class.name,
+                    runtime.policy.unavailable_retry_after_s,
+                ),
+                record,
+            )
         kind: Kind = "primary"
         view: SessionView | None = None
         if runtime.affinity.enabled:
             decision, view = await self._place(runtime, facts, route, now, record)
-            route = Route(decision.placement, route.request_class)
+            route = Route(decision.placement, route.request_class, route.model)
             kind = decision.kind
         else:
             if self._endpoint_health is not None and not runtime.endpoint_picker:
@@ -396,6 +425,7 @@ class Pipeline:
             self.fleet.routed(primary)
         if runtime.inspect_usage:
             hold.usage_cluster = primary
+            hold.usage_model = route.model
             if runtime.response_link_ttl_s is not None and facts.api is Api.OPENAI_RESPONSES:
                 hold.link_session = facts.session
         endpoints = self._endpoints(runtime, facts, route) if runtime.endpoint_picker else None
@@ -446,7 +476,7 @@ class Pipeline:
                 if now - since > PREFILL_DOWN_S:
                     del down[address]
         return pd.choose(
-            route.request_class.name,
+            base_class_name(route.request_class),
             route.placement.primary,
             facts.session.point,
             self._prefill_inflight,
@@ -466,7 +496,7 @@ class Pipeline:
         the decode pool's: a prefill burst is refused there and leaves decode budgets alone."""
         if prefill is None or prefill.endpoint is None or runtime.pd is None or not self._gate:
             return None
-        cls = runtime.pd.prefill_classes[route.request_class.name]
+        cls = runtime.pd.prefill_classes[base_class_name(route.request_class)]
         prefill_route = Route(Placement(prefill.endpoint.cluster, None), cls)
         admission = await self._gate.admit(facts, prefill_route)
         if isinstance(admission, Reject):
@@ -499,6 +529,53 @@ class Pipeline:
                 m.requests.labels(api.value, class_name, "routed"), m.routes.labels(kind)
             )
         return both
+
+    def _model_listing(self, headers: Mapping[str, str]) -> ModelList | BadRequest | None:
+        """GET /v1/models[/{id}] in a model-aware fleet: the fleet's union (None: not that)."""
+        catalog = self._runtime.current.policy.models
+        if not catalog.enabled or headers.get(":method") != "GET":
+            return None
+        raw = headers.get(":path", "").split("?", 1)[0]
+        path = canonical_path(raw)
+        if path != MODELS_PATH and not path.startswith(MODELS_PATH + "/"):
+            return None
+        # Anthropic's SDK sends anthropic-version on every request; OpenAI's never does.
+        anthropic = "anthropic-version" in headers
+        if path == MODELS_PATH:
+            return ModelList(orjson.dumps(model_list(catalog, anthropic)))
+        # The id keeps its case and may hold slashes ("meta-llama/Llama-3.1-8B").
+        name = unquote(raw).split(MODELS_PATH + "/", 1)[-1]
+        found = model_object(catalog, name, anthropic)
+        if found is None:
+            style = ErrorStyle.ANTHROPIC if anthropic else ErrorStyle.OPENAI
+            return BadRequest(404, UnknownModel(name).message, "model_not_found", style, "model")
+        return ModelList(orjson.dumps(found))
+
+    def _model_miss(
+        self, facts: RequestFacts, miss: ModelMiss, record: bool
+    ) -> BadRequest | Unavailable:
+        """An unknown model: 404 in the API's format (400 when the model is missing); a known
+        one with nowhere to go: 503 with a retry hint."""
+        if isinstance(miss, ModelUnavailable):
+            if record:
+                self._metrics.requests.labels(
+                    facts.api.value, miss.class_name, "model_unavailable"
+                ).inc()
+            return Unavailable(facts, miss)
+        style = facts.api.error_style
+        if miss.requested:
+            bad = BadRequest(404, miss.message, "model_not_found", style, "model")
+        else:
+            bad = BadRequest(400, miss.message, "invalid_request_error", style, "model")
+        if record:
+            self._metrics.requests.labels(facts.api.value, "", "model_not_found").inc()
+        return bad
+
+    def _any_ready(self, runtime: Runtime, route: Route) -> bool:
+        """Whether any cluster the route's model may go to has a ready endpoint, as the prober
+        sees it (endpoint-picker mode, processor.probe_clusters); without a prober, yes."""
+        ready = self._ready_clusters(runtime)
+        return ready is None or any(c in ready for c in runtime.policy.placer(route).names)
 
     def _count_bad(self, bad: BadRequest, api: Api) -> None:
         outcome = "too_large" if bad.status == 413 else "bad_request"
@@ -534,13 +611,13 @@ class Pipeline:
         ready = self._ready_clusters(runtime)
         if ready is None or route.placement.primary in ready:
             return route
-        ranked = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
+        ranked = runtime.policy.placer(route).ranked(facts.session.point)
         placement = around_unready(route.placement, ranked, ready)
         if placement == route.placement:
             return route
         if record:
             self._metrics.placed_around_unready.labels(route.placement.primary).inc()
-        return Route(placement, route.request_class)
+        return Route(placement, route.request_class, route.model)
 
     async def _admit(
         self,
@@ -593,7 +670,7 @@ class Pipeline:
         """A new session on the first later hash candidate whose budget has room, remembered
         as an override so its later turns follow; None when it is not new or none has room."""
         cls = route.request_class
-        ranked = runtime.policy.placers[cls.name].ranked(facts.session.point)
+        ranked = runtime.policy.placer(route).ranked(facts.session.point)
         ready = self._ready_clusters(runtime)
         order = placement_candidates(
             ranked, route.placement.primary, view.seen, view.override is not None
@@ -602,7 +679,7 @@ class Pipeline:
             if not self.fleet.load.cluster(cluster, now, ready).healthy:
                 continue
             placement = Placement(cluster, secondary_for(ranked, cluster))
-            candidate = Route(placement, cls)
+            candidate = Route(placement, cls, route.model)
             planned = plan(request_tokens(facts), candidate)
             if not isinstance(planned, Demand):
                 continue
@@ -622,12 +699,12 @@ class Pipeline:
         """Without load-aware affinity: mark the session seen and follow an earlier
         placement's override (the session's cache is there)."""
         cls = route.request_class
-        ranked = runtime.policy.placers[cls.name].ranked(facts.session.point)
+        ranked = runtime.policy.placer(route).ranked(facts.session.point)
         view = await self.fleet.view(facts, ranked[0], now, runtime.affinity, record=record)
         override = view.override
         if override is not None and override.cluster in ranked:
             placement = Placement(override.cluster, secondary_for(ranked, override.cluster))
-            return Route(placement, cls), "override", view
+            return Route(placement, cls, route.model), "override", view
         return route, "primary", view
 
     async def _place(
@@ -636,7 +713,7 @@ class Pipeline:
         """Feed the pure affinity policy: candidates, load snapshot, session memory, now."""
         fleet = self.fleet
         params = runtime.affinity
-        ranked = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
+        ranked = runtime.policy.placer(route).ranked(facts.session.point)
         salt = mix64(self._decisions)
         if record:
             self._decisions += 1
@@ -690,7 +767,7 @@ class Pipeline:
             # Both have a ready endpoint: the rest of the order cannot change the answer, and
             # ranking every cluster costs O(N) per request (issue 21).
             return tuple(picked)
-        hashed = runtime.policy.placers[route.request_class.name].ranked(facts.session.point)
+        hashed = runtime.policy.placer(route).ranked(facts.session.point)
         return tuple(pick(head + [c for c in hashed if c not in head]))
 
     @property
@@ -777,12 +854,14 @@ class Pipeline:
         if scanner is not None:
             scanner.feed(chunk)
             if end_of_stream:
-                self._account_usage(cluster, scanner.finish(), hold.usage_engine)
+                self._account_usage(cluster, hold.usage_model, scanner.finish(), hold.usage_engine)
                 hold.usage_cluster = None
             response_id = scanner.response_id
         else:
             if end_of_stream:
-                self._account_usage(cluster, usage_from_body(hold.api, chunk), hold.usage_engine)
+                self._account_usage(
+                    cluster, hold.usage_model, usage_from_body(hold.api, chunk), hold.usage_engine
+                )
                 hold.usage_cluster = None
             response_id = response_id_from_body(chunk) if hold.link_session else None
         if response_id is not None and hold.link_session is not None:
@@ -798,7 +877,9 @@ class Pipeline:
                 )
                 self._metrics.response_links.labels("learnt").inc()
 
-    def _account_usage(self, cluster: str, usage: Usage | None, engine: str | None) -> None:
+    def _account_usage(
+        self, cluster: str, model: str, usage: Usage | None, engine: str | None
+    ) -> None:
         if usage is None:
             self._metrics.usage_missing.inc()
             return
@@ -808,7 +889,8 @@ class Pipeline:
             max(0, usage.prompt_tokens - usage.cached_tokens)
         )
         m.upstream_output_tokens.labels(cluster).inc(usage.output_tokens)
-        prices = self._runtime.current.prices
+        runtime = self._runtime.current
+        prices = runtime.model_prices.get(model, runtime.prices)
         m.cost_dollars.labels(cluster).inc(prices.cost(usage))
         m.cache_savings_dollars.labels(cluster).inc(prices.saved(usage))
         if engine is not None:
@@ -828,12 +910,11 @@ class Pipeline:
         if ticket is None or served is None or served == ticket.cluster or self._gate is None:
             return
         runtime = self._runtime.current
-        budget = next(
-            (c.budget for c in runtime.policy.classes if c.name == ticket.class_name), None
-        )
-        if budget is None:
+        # A model's own class ("<class>@<model>") is found too.
+        cls = runtime.policy.class_named(ticket.class_name)
+        if cls is None:
             return  # the class is gone after a reload: keep the charge where it is
-        hold.ticket = await self._gate.move(ticket, served, budget)
+        hold.ticket = await self._gate.move(ticket, served, cls.budget)
 
     # -- the end ------------------------------------------------------------------------------
     async def release(self, hold: Hold) -> None:

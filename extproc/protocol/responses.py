@@ -15,6 +15,7 @@ from extproc.core.api import BadRequest, ErrorStyle
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
 from extproc.core.load import ORCA_FORMAT, ORCA_FORMAT_HEADER
+from extproc.core.models import ModelUnavailable
 from extproc.core.ratelimit_headers import rate_limit_headers
 from extproc.names import (
     CLASS_HEADER,
@@ -273,6 +274,16 @@ def error_response(
     style: ErrorStyle, status: int, message: str, code: str, headers: Iterable[tuple[str, str]] = ()
 ) -> ep.ProcessingResponse:
     return immediate(status, error_body(style, status, message, code), headers, f"fleet_{code}")
+
+
+def model_unavailable_response(miss: ModelUnavailable, style: ErrorStyle) -> ep.ProcessingResponse:
+    """A known model with no cluster to serve it: 503 with the retry hint SDKs read (both
+    retry 503 and honour retry-after / retry-after-ms, extproc.core.ratelimit_headers)."""
+    hint = (
+        ("retry-after", str(miss.retry_after_s)),
+        ("retry-after-ms", str(miss.retry_after_s * 1000)),
+    )
+    return error_response(style, 503, miss.message, "model_unavailable", hint)
 
 
 def reject_response(

@@ -22,7 +22,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from extproc.core.api import BadRequest
-from extproc.pipeline.outcomes import Outcome, Passthrough, Rejected, Routed, Waiting
+from extproc.pipeline.outcomes import (
+    ModelList,
+    Outcome,
+    Passthrough,
+    Rejected,
+    Routed,
+    Unavailable,
+    Waiting,
+)
 from extproc.pipeline.pipeline import Pipeline, inference_api
 from extproc.protocol import responses
 from extproc.protocol.attributes import served_address, served_cluster
@@ -275,6 +283,10 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             )
         if isinstance(outcome, BadRequest):
             return responses.bad_request_response(outcome)
+        if isinstance(outcome, ModelList):
+            return responses.immediate(200, outcome.body, details="fleet_models")
+        if isinstance(outcome, Unavailable):
+            return responses.model_unavailable_response(outcome.miss, outcome.facts.api.error_style)
         assert isinstance(outcome, Passthrough)
         return proceed
 

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from extproc.config.drain import termination_grace_s
 from extproc.config.runtime import Runtime
+from extproc.core.decide import Placer
 from extproc.core.fleet import Cluster
 from extproc.names import BUFFER_HEADROOM, ROUTE_HEADER
 from extproc.render.envoy import (
@@ -223,12 +224,14 @@ def route_values(runtime: Runtime) -> list[tuple[str, ...]]:
     """Every value the processor can put in x-fleet-route, as (primary,) or (primary, secondary).
 
     All ordered pairs of clusters (what render/envoy.py gives aggregate clusters for), plus a
-    single-cluster route for any class whose placement set has one cluster: its Placement has no
-    secondary and routes to the bare cluster name.
+    single-cluster route for any class (or class and model) whose placement set has one cluster:
+    its Placement has no secondary and routes to the bare cluster name.
     """
     names = [c.name for c in runtime.clusters]
     values: list[tuple[str, ...]] = list(itertools.permutations(names, 2))
-    singles = {p.names[0] for p in runtime.policy.placers.values() if len(p.names) == 1}
+    policy = runtime.policy
+    placers: list[Placer] = [*policy.placers.values(), *policy.model_placers.values()]
+    singles = {p.names[0] for p in placers if len(p.names) == 1}
     values.extend((n,) for n in names if n in singles)
     return values
 

@@ -203,7 +203,8 @@ class Service:
         result = explain_outcome(self.holder.current, outcome)
         if result.get("outcome") == "route":
             runtime = self.holder.current
-            cls = next(c for c in runtime.policy.classes if c.name == result["class"])
+            cls = runtime.policy.class_named(str(result["class"]))
+            assert cls is not None  # the class the same runtime just routed with
             result["ledger"] = self.gate.mode
             result["budget_usage_on_primary"] = await self.gate.usage(
                 str(result["primary"]), cls.name, cls.budget

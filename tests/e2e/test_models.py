@@ -1,0 +1,152 @@
+"""A multi-model fleet through a real Envoy: simulated clusters that serve different models
+(each answers vLLM's 404 for any other), clients on the official ``openai`` and ``anthropic``
+SDKs and on plain HTTP.
+
+c1, c2 serve "big" (alias "big-latest"); c3 serves "big" and "small"; c4 serves "small" and
+"tiny", so c4 is tiny's only cluster. "huge" is declared fleet-wide but no cluster serves it.
+The last test removes c4, so it runs last.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+import anthropic
+import openai
+import orjson
+import pytest
+
+from extproc.config import load_runtime
+from extproc.harness.launch import FleetStack, wait_until
+from tests.e2e.conftest import MakeClient, dump_logs
+from tests.e2e.predict import placement_for
+
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+SERVING = {
+    "c1": ["big"],
+    "c2": ["big"],
+    "c3": ["big", "small"],
+    "c4": ["small", "tiny"],
+}
+
+
+@pytest.fixture(scope="module")
+def models_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    big = {"name": "big", "aliases": ["big-latest"]}
+    stack = FleetStack(
+        tmp_path_factory.mktemp("models"),
+        clusters=4,
+        cluster_models={"c1": [big], "c2": [big], "c3": [big, "small"], "c4": ["small", "tiny"]},
+        fleet_overrides={"models": [{"name": "huge"}, {"name": "tiny"}]},
+    )
+    with stack:
+        yield stack
+
+
+def body(model: str, session: int, turn: int) -> bytes:
+    messages = [
+        {"role": "user", "content": f"session {session} turn {t}: why?"} for t in range(turn + 1)
+    ]
+    return orjson.dumps({"model": model, "messages": messages, "max_tokens": 2})
+
+
+def serving_clusters(model: str) -> set[str]:
+    return {name for name, models in SERVING.items() if model in models}
+
+
+def test_every_request_lands_on_a_cluster_serving_its_model_and_sticks(
+    models_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    runtime = load_runtime(models_fleet.fleet_path)
+    client = make_client(models_fleet.listener_port)
+    served: dict[tuple[str, int], set[str]] = collections.defaultdict(set)
+    spread: dict[str, set[str]] = collections.defaultdict(set)
+    for session in range(16):
+        headers = {"x-session-id": f"m-{session}"}
+        for model in ("big", "big-latest", "small", "tiny"):
+            for turn in range(3):
+                payload = body(model, session, turn)
+                status, hdrs, data = client.post_json(CHAT, payload, headers)
+                assert status == 200, (model, data, dump_logs(models_fleet))
+                where = hdrs["x-served-by"]
+                assert where in serving_clusters("big" if model == "big-latest" else model)
+                assert where == placement_for(runtime, CHAT, payload, headers).primary
+                served[(model, session)].add(where)
+                spread[model].add(where)
+    # Stickiness per model: one cluster per (model, session) over its turns; the alias is
+    # the same model, so a session lands where it does under the canonical name.
+    assert all(len(where) == 1 for where in served.values()), served
+    assert all(served[("big", s)] == served[("big-latest", s)] for s in range(16))
+    # Each model's sessions spread over all of its clusters.
+    assert spread["big"] == {"c1", "c2", "c3"} and spread["small"] == {"c3", "c4"}
+
+
+def test_an_unknown_model_gets_404_in_each_apis_format(models_fleet: FleetStack) -> None:
+    base = f"http://127.0.0.1:{models_fleet.listener_port}"
+    oai = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as found:
+        oai.chat.completions.create(
+            model="gpt-nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert found.value.status_code == 404
+    assert found.value.code == "model_not_found"
+    assert found.value.body == {
+        "message": "The model `gpt-nope` does not exist",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
+    ant = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        ant.messages.create(
+            model="claude-nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert missing.value.status_code == 404
+    assert missing.value.body == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "The model `claude-nope` does not exist"},
+    }
+
+
+def test_v1_models_lists_the_union_of_the_fleet(models_fleet: FleetStack) -> None:
+    base = f"http://127.0.0.1:{models_fleet.listener_port}"
+    oai = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    listed = {m.id: m for m in oai.models.list()}
+    # Not "huge": declared, but no cluster serves it.
+    assert sorted(listed) == ["big", "big-latest", "small", "tiny"]
+    assert oai.models.retrieve("small").id == "small"
+    ant = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    assert sorted(m.id for m in ant.models.list()) == ["big", "big-latest", "small", "tiny"]
+
+
+def test_a_declared_model_without_clusters_gets_503_with_a_retry_hint(
+    models_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    client = make_client(models_fleet.listener_port)
+    status, hdrs, data = client.post_json(CHAT, body("huge", 0, 0))
+    assert status == 503, data
+    assert hdrs["retry-after"] == "5"
+    assert orjson.loads(data)["error"]["code"] == "model_unavailable"
+
+
+def test_removing_the_last_cluster_of_a_model_gives_503(
+    models_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    client = make_client(models_fleet.listener_port)
+    headers = {"x-session-id": "last"}
+    assert client.post_json(CHAT, body("tiny", 1, 0), headers)[0] == 200
+    models_fleet.remove_cluster("c4")
+
+    def tiny_refused() -> bool:
+        return client.post_json(CHAT, body("tiny", 1, 0), headers)[0] == 503
+
+    wait_until(tiny_refused, 20, f"the reload to drop c4:\n{dump_logs(models_fleet)}", 0.2)
+    status, hdrs, data = client.post_json(MESSAGES, body("tiny", 1, 0), headers)
+    assert status == 503 and hdrs["retry-after"] == "5"
+    assert orjson.loads(data)["type"] == "error"
+    # The model's other clusters and the other models are untouched: small now only on c3.
+    for session in range(8):
+        status, hdrs, _ = client.post_json(CHAT, body("small", session, 0))
+        assert status == 200 and hdrs["x-served-by"] == "c3"
