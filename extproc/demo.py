@@ -1,9 +1,10 @@
 """`extproc demo`: the main job. A whole fleet on loopback with the embedded (in-memory) default.
 
-Starts simulated inference clusters, the processor and a real Envoy; sends multi-turn sessions
-over the OpenAI and Anthropic APIs; kills one cluster mid-traffic and brings it back; prints
-which cluster served what, the affinity achieved, the cache hits it bought, and what failover
-cost; writes the same as JSON.
+Starts simulated inference clusters serving two models, the processor and a real Envoy; sends
+multi-turn sessions of both models over the OpenAI and Anthropic APIs; shows each model's
+requests on its own clusters, the fleet's /v1/models and an unknown model's 404; kills one
+cluster mid-traffic and brings it back; prints which cluster served what, the affinity
+achieved, the cache hits it bought, and what failover cost; writes the same as JSON.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Turn:
     session: int
     turn: int
     api: str
+    model: str
     status: int
     served_by: str
     primary: str
@@ -45,12 +47,26 @@ class Turn:
     phase: str = ""
 
 
+# Two models: the large one on the first half of the clusters (at least two), the small one on
+# the rest; "demo" is an alias of the large one.
+LARGE, SMALL = "demo-large", "demo-small"
+
+
+def demo_models(names: list[str]) -> dict[str, list[str | dict[str, object]]]:
+    large: dict[str, object] = {"name": LARGE, "aliases": ["demo"]}
+    if len(names) == 1:
+        return {names[0]: [large, SMALL]}
+    split = max(2, (len(names) + 1) // 2) if len(names) > 2 else 1
+    return {n: [large] if i < split else [SMALL] for i, n in enumerate(names)}
+
+
 @dataclass
 class Session:
     index: int
     api: str  # "chat" or "messages"
     system: str
     header: bool
+    model: str = LARGE
     messages: list[dict[str, str]] = field(default_factory=list)
 
     def next_body(self, turn: int) -> tuple[str, bytes, dict[str, str]]:
@@ -59,7 +75,7 @@ class Session:
         headers = {"x-session-id": f"demo-{self.index}"} if self.header else {}
         if self.api == "messages":
             doc = {
-                "model": "demo",
+                "model": self.model,
                 "system": self.system * 30,
                 "messages": self.messages,
                 "max_tokens": 8,
@@ -68,7 +84,7 @@ class Session:
         msgs = [{"role": "system", "content": self.system * 30}, *self.messages]
         return (
             "/v1/chat/completions",
-            orjson.dumps({"model": "demo", "messages": msgs, "max_tokens": 8}),
+            orjson.dumps({"model": self.model, "messages": msgs, "max_tokens": 8}),
             headers,
         )
 
@@ -94,7 +110,11 @@ class Demo:
         self.runtime: Runtime = load_runtime(stack.fleet_path)
         self.sessions = [
             Session(
-                i, "messages" if i % 3 == 2 else "chat", SYSTEM_PROMPTS[i % 3], header=i % 2 == 0
+                i,
+                "messages" if i % 3 == 2 else "chat",
+                SYSTEM_PROMPTS[i % 3],
+                header=i % 2 == 0,
+                model=SMALL if i % 4 >= 2 else LARGE,
             )
             for i in range(sessions)
         ]
@@ -117,6 +137,7 @@ class Demo:
             session.index,
             turn,
             session.api,
+            session.model,
             status,
             hdrs.get("x-served-by", "-"),
             placement.primary,
@@ -219,6 +240,41 @@ def bulkhead_phase(stack: FleetStack, longs: int = 24, shorts: int = 24) -> dict
     }
 
 
+def models_phase(stack: FleetStack, steady: list[Turn]) -> dict[str, object]:
+    """What the fleet says about its models, and where each model's requests ran."""
+    print("\n== models: two models on separate clusters ==")
+    serving = {
+        name: {m if isinstance(m, str) else str(m["name"]) for m in models}
+        for name, models in stack.cluster_models.items()
+    }
+    client = Client(stack.listener_port)
+    try:
+        status, _, data = client.request("GET", "/v1/models")
+        listed = [m["id"] for m in orjson.loads(data)["data"]] if status == 200 else []
+        unknown_body = orjson.dumps(
+            {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}
+        )
+        unknown, _, unknown_data = client.post_json("/v1/chat/completions", unknown_body)
+    finally:
+        client.close()
+    rows = [["model", "clusters", "requests", "on a cluster serving it"]]
+    right = 0
+    for model in (LARGE, SMALL):
+        turns = [t for t in steady if t.model == model]
+        ok = sum(1 for t in turns if model in serving.get(t.served_by, set()))
+        right += ok
+        where = ",".join(n for n, m in serving.items() if model in m)
+        rows.append([model, where, str(len(turns)), f"{ok}/{len(turns)}"])
+    print(_table(rows))
+    print(f"GET /v1/models (answered by the processor): {listed}")
+    print(f"a request for an unknown model: {unknown} {unknown_data.decode()[:120]}")
+    return {
+        "listed": listed,
+        "requests_on_a_cluster_serving_their_model": f"{right}/{len(steady)}",
+        "unknown_model_status": unknown,
+    }
+
+
 def run_demo(
     workdir: Path, clusters: int, sessions: int, turns: int, workers: int
 ) -> dict[str, object]:
@@ -228,6 +284,7 @@ def run_demo(
         clusters=clusters,
         sim_args=("--time-scale", "0.01"),
         fleet_overrides={"classes": DEMO_CLASSES},
+        cluster_models=demo_models([f"c{i}" for i in range(1, clusters + 1)]),
     )
     t0 = time.monotonic()
     with stack:
@@ -267,6 +324,7 @@ def run_demo(
         )
         hit_ratio = _hit_ratio(t for t in steady if t.turn > 0)
         print(f"prefix-cache hit ratio after turn 1: {hit_ratio:.1%}")
+        report["models"] = models_phase(stack, steady)
 
         victim = next(iter(stack.sim_specs))
         print(f"\n== failover: SIGKILL {victim}, then two more turns of every session ==")

@@ -1,4 +1,4 @@
-"""The main job (`extproc demo`) on a small scale: it must keep telling the truth."""
+"""The main job (`extproc demo`) on a small scale, two models: it must keep telling the truth."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ def test_demo_reports_affinity_failover_and_bulkheads(tmp_path: Path) -> None:
     assert steady["sessions_on_one_cluster"] == "12/12"
     assert steady["requests_on_predicted_primary"] == "36/36"
     assert 0.3 < float(steady["cache_hit_ratio_after_first_turn"]) < 1.0
+    models = report["models"]
+    assert isinstance(models, dict)
+    assert models["listed"] == ["demo", "demo-large", "demo-small"]
+    assert models["requests_on_a_cluster_serving_their_model"] == "36/36"
+    assert models["unknown_model_status"] == 404
     failover = report["failover"]
     assert isinstance(failover, dict)
     assert failover["failed_during_outage"] == 0
