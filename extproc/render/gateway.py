@@ -9,7 +9,8 @@ Two ways to put the processor in front of a fleet on Kubernetes:
   into one Envoy cluster with the fallback Backend's endpoints at priority 1: the same failover
   the aggregate cluster gives in the plain-Envoy bootstrap (``render/envoy.py``).
 - ``inference-pool``: the Gateway API Inference Extension. The processor is the pool's Endpoint
-  Picker (``InferencePool.spec.endpointPickerRef``) and one HTTPRoute sends to the pool.
+  Picker (``InferencePool.spec.endpointPickerRef``) and one HTTPRoute sends to the pool; in a
+  model-aware fleet, one pool per model and one rule per pool (``render_model_pools``).
 
 ``all`` renders both, sharing the processor Deployment.
 
@@ -22,6 +23,7 @@ cluster gets two Backends with the same endpoints: ``fleet-<name>`` and
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import itertools
 import re
@@ -805,6 +807,75 @@ def render_pool_route(runtime: Runtime, opts: GatewayOptions) -> Json:
     )
 
 
+# --- Inference Extension: a pool per model -------------------------------------------------
+
+# The Inference Extension's model header: its body-based routing (BBR) copies the body's
+# "model" into it, so HTTPRoutes can send each model to its own pool.
+MODEL_HEADER = "X-Gateway-Model-Name"
+# The pod label that says which model's pool a pod belongs to (added to --pool-selector).
+MODEL_LABEL = "fleet-extproc/model"
+
+
+def _model_slug(name: str) -> str:
+    """A model name as a DNS-label-safe slug, unique by a hash suffix when it had to change."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40].strip("-")
+    if slug == name:
+        return slug
+    digest = hashlib.blake2b(name.encode(), digest_size=4).hexdigest()
+    return f"{slug}-{digest}" if slug else digest
+
+
+def model_pools(runtime: Runtime) -> list[tuple[str, list[str]]]:
+    """(base model, every name routed to its pool: itself, its aliases, its adapters)."""
+    served = runtime.policy.models.served()
+    out = []
+    for model in served:
+        if model.base is not None:
+            continue
+        adapters = [m.name for m in served if m.base == model.name]
+        out.append((model.name, [model.name, *model.aliases, *adapters]))
+    return out
+
+
+def render_model_pools(runtime: Runtime, opts: GatewayOptions) -> list[Json]:
+    """One InferencePool per model (its pods carry ``fleet-extproc/model: <slug>``, as the
+    Inference Extension keeps a pool per base model) and one HTTPRoute that sends each model's
+    names, read from X-Gateway-Model-Name (set by the Inference Extension's body-based routing
+    in front), to its pool. The processor is every pool's Endpoint Picker."""
+    pools = model_pools(runtime)
+    if len(pools) > MAX_RULES_PER_ROUTE:
+        raise GatewayRenderError(
+            f"{len(pools)} models: one pool route holds at most {MAX_RULES_PER_ROUTE} rules"
+        )
+    objs: list[Json] = []
+    rules: list[Json] = []
+    for model, names in pools:
+        slug = _model_slug(model)
+        pool = render_inference_pool(runtime, opts)
+        pool["metadata"]["name"] = f"{POOL}-{slug}"
+        pool["spec"]["selector"]["matchLabels"][MODEL_LABEL] = slug
+        objs.append(pool)
+        rules.append(
+            {
+                "name": f"model-{slug}",
+                "matches": [
+                    {
+                        "path": {"type": "PathPrefix", "value": "/"},
+                        "headers": [{"type": "Exact", "name": MODEL_HEADER, "value": n}],
+                    }
+                    for n in names
+                ],
+                "backendRefs": [
+                    {"group": INFERENCE, "kind": "InferencePool", "name": pool["metadata"]["name"]}
+                ],
+                "timeouts": _timeouts(runtime),
+            }
+        )
+    route = render_pool_route(runtime, opts)
+    route["spec"]["rules"] = rules
+    return [*objs, route]
+
+
 # --- entry point ---------------------------------------------------------------------------
 
 
@@ -823,5 +894,8 @@ def render_manifests(
     if opts.mode in ("envoy-gateway", "all"):
         objs += render_envoy_gateway(runtime, opts)
     if opts.mode in ("inference-pool", "all"):
-        objs += [render_inference_pool(runtime, opts), render_pool_route(runtime, opts)]
+        if runtime.policy.models.enabled:
+            objs += render_model_pools(runtime, opts)
+        else:
+            objs += [render_inference_pool(runtime, opts), render_pool_route(runtime, opts)]
     return objs

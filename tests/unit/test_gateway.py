@@ -189,11 +189,24 @@ def single_cluster() -> Fleet:
     return fleet_from_dict(fleet_data(1))
 
 
+@cache
+def models_fleet() -> Fleet:
+    """Two models (one with an alias and a LoRA adapter), the small one on a single cluster."""
+    data = fleet_data(4)
+    big = {"name": "meta-llama/Llama-3.1-70B-Instruct", "aliases": ["llama-70b"]}
+    data["clusters"][0]["models"] = [{**big, "adapters": ["sql-lora"]}]
+    data["clusters"][1]["models"] = [big]
+    data["clusters"][2]["models"] = [big]
+    data["clusters"][3]["models"] = ["llama-8b"]
+    return fleet_from_dict(data)
+
+
 FLEETS = {
     "compose": compose_fleet,
     "forty": forty_clusters,
     "mixed": mixed_fleet,
     "single": single_cluster,
+    "models": models_fleet,
 }
 
 
@@ -322,14 +335,17 @@ def winning_rules(objs: list[Json], path: str, headers: dict[str, str]) -> list[
 
 def emittable_routes(runtime: Runtime, samples: int) -> set[str]:
     """x-fleet-route values the processor produces: real top-2 placement over random sessions,
-    plus every ordered pair / single any class placer could produce in principle."""
+    plus every ordered pair / single any class (or class and model) placer could produce in
+    principle."""
     rng = random.Random(7)
     seen = set()
-    for placer in runtime.policy.placers.values():
+    # A model-aware fleet places among each (class, model)'s clusters too.
+    placers = [*runtime.policy.placers.values(), *runtime.policy.model_placers.values()]
+    for placer in placers:
         for _ in range(samples):
             seen.add(placer.top2(rng.getrandbits(64)).route)
     possible = set()
-    for placer in runtime.policy.placers.values():
+    for placer in placers:
         if len(placer.names) == 1:
             possible.add(Placement(placer.names[0], None).route)
         possible |= {Placement(p, s).route for p, s in itertools.permutations(placer.names, 2)}
@@ -651,6 +667,35 @@ def test_inference_pool_picks_endpoints_through_the_processor_service() -> None:
             "name": pool["metadata"]["name"],
         }
     ]
+
+
+def test_a_model_aware_fleet_gets_a_pool_per_model_routed_by_the_model_header() -> None:
+    objs = render(models_fleet(), "inference-pool")
+    pools = by_name(objs, "InferencePool")
+    assert len(pools) == 2
+    (route,) = of_kind(objs, "HTTPRoute")
+    by_pool = {r["backendRefs"][0]["name"]: r for r in route["spec"]["rules"]}
+    assert set(by_pool) == set(pools)
+    names_of = {
+        pool: {h["value"] for m in rule["matches"] for h in m["headers"]}
+        for pool, rule in by_pool.items()
+    }
+    assert sorted(names_of.values(), key=len) == [
+        {"llama-8b"},
+        {"meta-llama/Llama-3.1-70B-Instruct", "llama-70b", "sql-lora"},
+    ]
+    for name, pool in pools.items():
+        labels = pool["spec"]["selector"]["matchLabels"]
+        slug = labels.pop("fleet-extproc/model")
+        assert labels == {"app": "vllm"} and name == f"fleet-pool-{slug}"
+        assert re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", slug) and len(slug) <= 63
+        assert all(
+            h["name"] == "X-Gateway-Model-Name"
+            for m in by_pool[name]["matches"]
+            for h in m["headers"]
+        )
+    # A fleet without models keeps its one pool.
+    assert len(of_kind(render(mixed_fleet(), "inference-pool"), "InferencePool")) == 1
 
 
 def test_all_mode_scopes_the_pool_route_to_its_hostname() -> None:
