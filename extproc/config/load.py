@@ -245,6 +245,12 @@ def _model_problems(cfg: FleetConfig) -> list[str]:
             problems.append(
                 "models: needs clusters that list the models they serve (clusters[].models)"
             )
+        if cfg.model_routing.discovery:
+            # Discovery adds to a floor; without one, a flapping endpoint would switch the
+            # whole fleet between model-aware and model-agnostic placement.
+            problems.append(
+                "model_routing.discovery: needs clusters[].models (the floor discovery adds to)"
+            )
         return problems
     for i, c in enumerate(cfg.clusters):
         if not c.models:

@@ -26,7 +26,14 @@ from extproc.core.fleet import Budget, Cluster, RequestClass
 from extproc.core.flow import FlowParams, WaitPolicy
 from extproc.core.keys import KeyRules
 from extproc.core.load import LOAD_HEADERS
-from extproc.core.models import Candidates, Catalog, ServedModel, build_catalog, candidates
+from extproc.core.models import (
+    Candidates,
+    Catalog,
+    ServedModel,
+    build_catalog,
+    candidates,
+    with_discovered,
+)
 from extproc.core.pd import (
     PdPlan,
     PrefillEndpoint,
@@ -243,9 +250,8 @@ def _prices(cfg: PricesConfig) -> Prices:
     return Prices(cfg.cached_input, cfg.uncached_input, cfg.output)
 
 
-def compile_catalog(cfg: FleetConfig) -> Catalog:
-    """fleet.yaml's models: each cluster's served models and the fleet-wide declared ones."""
-    served = [
+def _served(cfg: FleetConfig) -> list[tuple[str, list[ServedModel]]]:
+    return [
         (
             c.name,
             [
@@ -257,7 +263,37 @@ def compile_catalog(cfg: FleetConfig) -> Catalog:
         )
         for c in cfg.clusters
     ]
-    return build_catalog(served, [(m.name, m.base) for m in cfg.models])
+
+
+def compile_catalog(cfg: FleetConfig) -> Catalog:
+    """fleet.yaml's models: each cluster's served models and the fleet-wide declared ones."""
+    return build_catalog(_served(cfg), [(m.name, m.base) for m in cfg.models])
+
+
+Discovered = Mapping[str, frozenset[tuple[str, str | None]]]
+
+
+def with_discovered_models(runtime: Runtime, discovered: Discovered) -> Runtime:
+    """The runtime with what the endpoints' /v1/models list added to its clusters' models
+    (fleet.yaml's list is the floor; extproc.core.models.with_discovered). Recomputed from the
+    config each time, so it may be applied to a runtime that already had discoveries."""
+    cfg = runtime.config
+    if not cfg.model_routing.discovery:
+        return runtime
+    configured = compile_catalog(cfg)
+    if not configured.enabled:
+        return runtime
+    served = with_discovered(_served(cfg), configured, discovered)
+    catalog = build_catalog(served, [(m.name, m.base) for m in cfg.models])
+    policy = runtime.policy
+    weights = {c.name: c.weight for c in runtime.clusters}
+    placers, classes = compile_model_policy(cfg, catalog, policy.classes, weights)
+    return dataclasses.replace(
+        runtime,
+        policy=dataclasses.replace(
+            policy, models=catalog, model_placers=placers, model_classes=classes
+        ),
+    )
 
 
 def compile_model_policy(

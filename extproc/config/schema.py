@@ -274,6 +274,12 @@ class ModelConfig(Strict):
 class ModelRoutingConfig(Strict):
     # Retry-After of the 503 for a known model with no cluster to serve it.
     unavailable_retry_after_s: int = Field(default=5, ge=1, le=60)
+    # Also read every endpoint's GET /v1/models on this interval and add what it lists to its
+    # cluster's models (extproc.pipeline.model_discovery). clusters[].models stays the floor:
+    # discovery only adds, and a name the config gives a meaning (alias, adapter) keeps it.
+    discovery: bool = False
+    discovery_interval_s: float = Field(default=30.0, gt=0)
+    discovery_timeout_s: float = Field(default=2.0, gt=0)
 
 
 class AffinityConfig(Strict):

@@ -112,6 +112,35 @@ def build_catalog(
     return Catalog(MappingProxyType(out), MappingProxyType(names))
 
 
+def with_discovered(
+    served: Sequence[tuple[str, Sequence[ServedModel]]],
+    configured: Catalog,
+    discovered: Mapping[str, Iterable[tuple[str, str | None]]],
+) -> list[tuple[str, list[ServedModel]]]:
+    """The configured served models (the floor) plus what each cluster's endpoints list
+    (``(id, parent)`` pairs, vLLM's /v1/models: an adapter names its base in ``parent``).
+
+    The configuration wins on meaning: a listed name it knows resolves as it says (an alias to
+    its model, an adapter to its base); a name it does not know is a new model served there,
+    or, with a parent, an adapter of that parent loaded there."""
+    out = [(cluster, list(models)) for cluster, models in served]
+    for cluster, models in out:
+        for name, parent in discovered.get(cluster, ()):
+            known = configured.resolve(name)
+            if known is not None and known.base is None:
+                models.append(ServedModel(known.name))
+            elif known is not None and known.base is not None:
+                models.append(ServedModel(known.base, adapters=(known.name,)))
+            elif parent is not None:
+                base = configured.resolve(parent)
+                models.append(
+                    ServedModel(base.name if base is not None else parent, adapters=(name,))
+                )
+            else:
+                models.append(ServedModel(name))
+    return out
+
+
 def _add(items: list[str], item: str) -> None:
     if item not in items:
         items.append(item)

@@ -36,7 +36,7 @@ from extproc.config import ConfigError, Runtime, load_runtime
 from extproc.config.drain import drain_times
 from extproc.config.label_secret import LabelSecret, warn_if_per_process
 from extproc.config.load import runtime_from_bytes
-from extproc.config.runtime import Overrides, with_sketch
+from extproc.config.runtime import Discovered, Overrides, with_discovered_models, with_sketch
 from extproc.core.admission import request_tokens
 from extproc.core.chains import ChainSketch
 from extproc.ledger.gate import AdmissionGate, build_gate, workers_problem
@@ -49,6 +49,7 @@ from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.engine_scraper import EngineScraper, ScrapeMetrics, plan_of
 from extproc.pipeline.explain import explain_outcome, request_headers
 from extproc.pipeline.fleet_state import FleetState, RedisSessions
+from extproc.pipeline.model_discovery import ModelDiscovery
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import FleetProcessor
@@ -117,6 +118,9 @@ class Service:
         self.loop_monitor = LoopMonitor(self.registry)
         # The chain key's learnt common chains: one per process, kept across reloads.
         self.chains = ChainSketch(runtime.key_rules.chain)
+        # Models the endpoints list (model_routing.discovery), added to every runtime's own.
+        self.discovered: Discovered = {}
+        self._base = runtime
         self.holder = RuntimeHolder(self._local_view(runtime))
         self._config_bytes = raw_config
         rng = random.Random(opts.seed)
@@ -158,7 +162,38 @@ class Service:
     def _local_view(self, runtime: Runtime) -> Runtime:
         """Every runtime keys sessions through this process's chain sketch. (Budgets are never
         split between workers: several workers need the shared ledger, see workers_problem.)"""
-        return with_sketch(runtime, self.chains)
+        return with_discovered_models(with_sketch(runtime, self.chains), self.discovered)
+
+    async def _discover_models(self) -> None:
+        """model_routing.discovery: re-read the endpoints' model lists on the interval and
+        serve the config's lists plus what they add (the config is the floor)."""
+        discovery = ModelDiscovery(self._base.config.model_routing.discovery_timeout_s)
+        try:
+            while not self._stop.is_set():
+                routing = self._base.config.model_routing
+                if routing.discovery:
+                    found = await discovery.poll(self._base.endpoints)
+                    if found != self.discovered:
+                        self.discovered = found
+                        self.pipeline.use(self._local_view(self._base))
+                        self.gate.publish_limits(self.holder.current)
+                        log.info(
+                            "discovered models changed",
+                            extra={
+                                "models": [
+                                    m.name for m in self.holder.current.policy.models.served()
+                                ]
+                            },
+                        )
+                interval = (
+                    routing.discovery_interval_s
+                    if routing.discovery
+                    else self.opts.watch_interval_s
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), interval)
+        finally:
+            await discovery.close()
 
     def _fleet_state(self, runtime: Runtime) -> FleetState:
         """Affinity state, with the shared session store when Redis is configured: attached
@@ -253,6 +288,7 @@ class Service:
                 union = union_clusters(self.holder.current, fresh)
                 self.xds.publish(f"{old}+{fresh.version}", union)
             await asyncio.sleep(self.opts.cds_settle_s)
+        self._base = fresh
         self.pipeline.use(self._local_view(fresh))
         self.gate.publish_limits(self.holder.current)
         if self.endpoint_health is not None:
@@ -347,6 +383,7 @@ class Service:
             loop.add_signal_handler(sig, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self.request_reload)
         watchers = [asyncio.create_task(self._watch())]
+        watchers.append(asyncio.create_task(self._discover_models()))
         # Engine load from their /metrics; the plan is re-read every round, so a reload that
         # turns scraping on or changes the endpoints needs no restart.
         scraper = EngineScraper(

@@ -4,7 +4,8 @@ SDKs and on plain HTTP.
 
 c1, c2 serve "big" (alias "big-latest"); c3 serves "big" and "small"; c4 serves "small" and
 "tiny", so c4 is tiny's only cluster. "huge" is declared fleet-wide but no cluster serves it.
-The last test removes c4, so it runs last.
+Model discovery is on: c2 later starts serving "extra", which fleet.yaml does not list. The last
+test removes c4, so it runs last.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import orjson
 import pytest
 
 from extproc.config import load_runtime
-from extproc.harness.launch import FleetStack, wait_until
+from extproc.harness.launch import FleetStack, SimSpec, wait_until
 from tests.e2e.conftest import MakeClient, dump_logs
 from tests.e2e.predict import placement_for
 
@@ -39,7 +40,10 @@ def models_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStac
         tmp_path_factory.mktemp("models"),
         clusters=4,
         cluster_models={"c1": [big], "c2": [big], "c3": [big, "small"], "c4": ["small", "tiny"]},
-        fleet_overrides={"models": [{"name": "huge"}, {"name": "tiny"}]},
+        fleet_overrides={
+            "models": [{"name": "huge"}, {"name": "tiny"}],
+            "model_routing": {"discovery": True, "discovery_interval_s": 0.5},
+        },
     )
     with stack:
         yield stack
@@ -129,6 +133,32 @@ def test_a_declared_model_without_clusters_gets_503_with_a_retry_hint(
     assert status == 503, data
     assert hdrs["retry-after"] == "5"
     assert orjson.loads(data)["error"]["code"] == "model_unavailable"
+
+
+def test_a_model_an_endpoint_starts_listing_is_discovered_and_routed(
+    models_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    client = make_client(models_fleet.listener_port)
+    assert client.post_json(CHAT, body("extra", 0, 0))[0] == 404
+    # c2's engine now also serves "extra" (fleet.yaml does not say so).
+    spec = models_fleet.sim_specs["c2"]
+    models_fleet.sim_specs["c2"] = SimSpec(
+        "c2", spec.port, (*spec.args[:-1], "big,big-latest,extra")
+    )
+    models_fleet.restart_sim("c2")
+
+    def extra_routed() -> bool:
+        return client.post_json(CHAT, body("extra", 0, 0))[0] == 200
+
+    wait_until(extra_routed, 20, f"discovery of extra:\n{dump_logs(models_fleet)}", 0.2)
+    for session in range(6):
+        status, hdrs, _ = client.post_json(CHAT, body("extra", session, 0))
+        assert status == 200 and hdrs["x-served-by"] == "c2"
+    # The floor stays: c2 still serves big, and the union lists the new model.
+    status, hdrs, _ = client.post_json(CHAT, body("big", 0, 0), {"x-session-id": "m-0"})
+    assert status == 200
+    status, _, data = client.request("GET", "/v1/models")
+    assert "extra" in [m["id"] for m in orjson.loads(data)["data"]]
 
 
 def test_removing_the_last_cluster_of_a_model_gives_503(

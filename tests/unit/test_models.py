@@ -16,11 +16,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.config import ConfigError, compile_runtime, parse_config
-from extproc.config.runtime import Runtime
+from extproc.config.runtime import Runtime, with_discovered_models
 from extproc.core.api import BadRequest, ErrorStyle
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.models import ModelUnavailable, UnknownModel
 from extproc.metrics import Metrics
+from extproc.pipeline.model_discovery import parse_model_list
 from extproc.pipeline.outcomes import ModelList, Passthrough, Routed, Unavailable
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 
@@ -413,3 +414,57 @@ def test_a_models_prices_cost_its_usage_and_the_fleet_prices_are_the_default() -
     # $ per million tokens: 1000 uncached input + 10 output.
     assert costs[BIG] == pytest.approx((1000 * 10 + 10 * 100) / 1e6)
     assert costs[SMALL] == pytest.approx((1000 * 3.0 + 10 * 15.0) / 1e6)
+
+
+def test_discovered_models_add_to_the_configured_floor() -> None:
+    serving: dict[str, list[Any]] = {
+        "c1": [{"name": BIG, "aliases": ["big"]}],
+        "c2": [BIG],
+        "c3": [SMALL],
+    }
+    runtime = runtime_of(fleet(serving, model_routing={"discovery": True}))
+    found = {
+        # c1 lists only an alias of its model and a new adapter of it (vLLM's parent field):
+        # its configured model stays (the floor), the adapter is loaded there.
+        "c1": frozenset({("big", None), ("sql-lora", BIG)}),
+        # c2 lists nothing (down): it keeps its configured model.
+        "c2": frozenset(),
+        # c3 lists a model the config does not know, and the big model under its alias.
+        "c3": frozenset({(SMALL, None), ("new-model", None), ("big", None)}),
+    }
+    grown = with_discovered_models(runtime, found)
+    models = grown.policy.models
+    assert set(models.models) == {BIG, SMALL, "new-model", "sql-lora"}
+    assert models.models[BIG].clusters == ("c1", "c2", "c3")
+    assert models.models["sql-lora"].loaded == ("c1",)
+    assert models.models["new-model"].clusters == ("c3",)
+    route = grown.policy.place(facts(grown, "new-model", "n"))
+    assert not isinstance(route, (UnknownModel, ModelUnavailable))
+    assert route.placement.primary == "c3"
+    # Applied again with nothing found: back to the configured lists exactly.
+    assert with_discovered_models(grown, {}).policy.models == runtime.policy.models
+    # Off: the runtime is returned untouched.
+    plain = runtime_of(fleet(serving))
+    assert with_discovered_models(plain, found) is plain
+
+
+def test_model_lists_are_parsed_defensively() -> None:
+    body = orjson.dumps(
+        {"object": "list", "data": [{"id": "a"}, {"id": "l", "parent": "a"}, {"id": 3}, "x"]}
+    )
+    assert parse_model_list(body) == frozenset({("a", None), ("l", "a")})
+    assert parse_model_list(b"not json") is None
+    assert parse_model_list(b'{"data": 1}') is None
+    assert parse_model_list(b"[]") is None
+
+
+def test_discovery_needs_a_configured_floor() -> None:
+    data = {
+        "version": 1,
+        "clusters": [{"name": "c1", "endpoints": ["h:1"]}],
+        "model_routing": {"discovery": True},
+    }
+    assert (
+        "model_routing.discovery: needs clusters[].models (the floor discovery adds to)"
+        in config_problems(data)
+    )
