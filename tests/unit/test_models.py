@@ -407,7 +407,7 @@ def test_a_models_prices_cost_its_usage_and_the_fleet_prices_are_the_default() -
         routed = asyncio.run(pipeline.decide(headers, body, 0.0))
         assert isinstance(routed, Routed) and routed.hold.usage_model == model
         cluster = routed.route.placement.primary
-        pipeline.observe_response_body(routed.hold, usage, True)
+        asyncio.run(pipeline.observe_response_body(routed.hold, usage, True, 0.0))
         costs[model] = registry.get_sample_value(
             "fleet_token_cost_dollars_total", {"cluster": cluster}
         )
