@@ -89,6 +89,16 @@ class _Both:
         self.routes.inc()
 
 
+async def _settled(outcome: Outcome | Waiting) -> Outcome:
+    """The outcome, a request queued for budget waited for (and left if the wait is cut)."""
+    if isinstance(outcome, Waiting):
+        try:
+            return await outcome.resume()
+        finally:
+            outcome.cancel()
+    return outcome
+
+
 class RuntimeHolder:
     """The runtime being served; reload swaps it whole (one reference assignment)."""
 
@@ -203,13 +213,7 @@ class Pipeline:
         A request queued for budget is waited for here (:meth:`decide_deferred` hands the
         wait to the caller instead).
         """
-        outcome = await self.decide_deferred(headers, body, now, record=record)
-        if isinstance(outcome, Waiting):
-            try:
-                return await outcome.resume()
-            finally:
-                outcome.cancel()
-        return outcome
+        return await _settled(await self.decide_deferred(headers, body, now, record=record))
 
     async def decide_deferred(
         self,
@@ -262,12 +266,7 @@ class Pipeline:
         itself is not checked (ARCHITECTURE.md, "The header path").
         """
         outcome = await self.decide_headers_deferred(headers, now, record=record)
-        if isinstance(outcome, Waiting):
-            try:
-                return await outcome.resume()
-            finally:
-                outcome.cancel()
-        return outcome
+        return None if outcome is None else await _settled(outcome)
 
     async def decide_headers_deferred(
         self, headers: Mapping[str, str], now: float, *, record: bool = True
