@@ -468,3 +468,22 @@ def test_discovery_needs_a_configured_floor() -> None:
         "model_routing.discovery: needs clusters[].models (the floor discovery adds to)"
         in config_problems(data)
     )
+
+
+def test_a_model_aware_fleet_never_decides_at_headers() -> None:
+    # The model is in the body: deciding on the headers (a trusted session header, the
+    # default read_body: when_needed) would place every request as if it named no model.
+    headers = {
+        ":method": "POST",
+        ":path": "/v1/chat/completions",
+        "content-type": "application/json",
+        "x-session-id": "h",
+        "content-length": "64",
+    }
+    aware = runtime_of(fleet(two_models()))
+    agnostic = runtime_of({"version": 1, "clusters": [{"name": "c1", "endpoints": ["h:1"]}]})
+    assert aware.decide_at_headers and agnostic.decide_at_headers
+    for runtime, decided in ((aware, False), (agnostic, True)):
+        pipeline = Pipeline(RuntimeHolder(runtime), Metrics(CollectorRegistry()))
+        outcome = asyncio.run(pipeline.decide_headers(headers, 0.0))
+        assert (outcome is not None) == decided, outcome
