@@ -47,6 +47,18 @@ def _settle(stack: FleetStack, client: Client) -> None:
     reported healthy, an aggregate still sent a few requests to its secondary (no retry, no
     flag), as if its primary's ring were not built yet on the worker. Two passes in a row of
     probe sessions all served by their primary cluster on the same engines."""
+    # With dynamic CDS the processor rewrites Envoy's clusters after it starts; a cluster whose
+    # definition changed is recreated, and until its hosts pass their first health check the
+    # hash table spans only some engines: every session moved at once for a moment (observed
+    # ~1.5 s after start). Wait until the CDS update count has been still for 2 s.
+    counts: list[int] = []
+
+    def cds_quiet() -> bool:
+        counts.append(stack.envoy_stat("cluster_manager.cds.update_success"))
+        return len(counts) >= 3 and counts[-1] == counts[-3]
+
+    wait_until(cds_quiet, 30, "Envoy's CDS updates to settle", interval=1.0)
+    stack.wait_healthy(list(stack.cluster_endpoints()))
     runtime = load_runtime(stack.fleet_path)
     probes = [f"probe-{i}" for i in range(12)]
     primary = {
