@@ -12,7 +12,8 @@ the same request (with a session header unless ``--no-session-header``):
   decided at the headers from the session header and content-length, the body never sent.
 
 The upstream is a second Envoy answering every request with a fixed JSON body
-(``direct_response``), so the upstream costs almost nothing and the same in every set-up.
+(``direct_response``) once it has buffered the whole request, as an engine answers only after
+reading it; the upstream costs almost nothing and the same in every set-up.
 For each body size and connection count it records p50/p99 latency, requests/s, and the
 processor's CPU time per request (utime + stime from /proc/<pid>/stat).
 
@@ -121,10 +122,21 @@ def upstream_bootstrap(ports: list[int], admin_port: int) -> dict[str, Any]:
                 ]
             },
             "http_filters": [
+                # An engine answers once it has read the whole request. A direct_response
+                # alone answers at the request headers: with the header path (the body
+                # streamed behind the headers) that answer came before the body, and the
+                # upstream connection could not be reused, which is not what an engine does.
+                {
+                    "name": "envoy.filters.http.buffer",
+                    "typed_config": {
+                        "@type": ext_type("filters.http.buffer.v3.Buffer"),
+                        "max_request_bytes": 64 << 20,
+                    },
+                },
                 {
                     "name": "envoy.filters.http.router",
                     "typed_config": {"@type": ext_type("filters.http.router.v3.Router")},
-                }
+                },
             ],
         }
         listeners.append(
