@@ -42,6 +42,18 @@ def _engines_of(stack: FleetStack, client: Client, sids: list[str]) -> dict[str,
     return {sid: _send(stack, client, sid)[1] for sid in sids}
 
 
+def _cds_quiet(stack: FleetStack) -> None:
+    """Wait until Envoy's CDS update count has been still for 2 s and every engine is healthy."""
+    counts: list[int] = []
+
+    def quiet() -> bool:
+        counts.append(stack.envoy_stat("cluster_manager.cds.update_success"))
+        return len(counts) >= 3 and counts[-1] == counts[-3]
+
+    wait_until(quiet, 30, "Envoy's CDS updates to settle", interval=1.0)
+    stack.wait_healthy(list(stack.cluster_endpoints()))
+
+
 def _settle(stack: FleetStack, client: Client) -> None:
     """Wait until Envoy routes steadily: observed on 1.40, for ~0.1 s after every host is
     reported healthy, an aggregate still sent a few requests to its secondary (no retry, no
@@ -51,14 +63,7 @@ def _settle(stack: FleetStack, client: Client) -> None:
     # definition changed is recreated, and until its hosts pass their first health check the
     # hash table spans only some engines: every session moved at once for a moment (observed
     # ~1.5 s after start). Wait until the CDS update count has been still for 2 s.
-    counts: list[int] = []
-
-    def cds_quiet() -> bool:
-        counts.append(stack.envoy_stat("cluster_manager.cds.update_success"))
-        return len(counts) >= 3 and counts[-1] == counts[-3]
-
-    wait_until(cds_quiet, 30, "Envoy's CDS updates to settle", interval=1.0)
-    stack.wait_healthy(list(stack.cluster_endpoints()))
+    _cds_quiet(stack)
     runtime = load_runtime(stack.fleet_path)
     probes = [f"probe-{i}" for i in range(12)]
     primary = {
@@ -165,6 +170,7 @@ def test_route_mode_sessions_stick_to_one_engine_spread_fail_over_and_grow(
     wait_until(
         lambda: stack.envoy_stat("cluster.c1.membership_healthy") == 4, 30, "4 engines in c1"
     )
+    _cds_quiet(stack)
     probes = c1_sessions[:30]
     seen: list[dict[str, str]] = []
 
