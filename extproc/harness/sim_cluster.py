@@ -385,7 +385,7 @@ class SimCluster:
         self._unhang.set()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._name_errors])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/messages", self._messages)
@@ -401,6 +401,18 @@ class SimCluster:
         return app
 
     # -- small endpoints -------------------------------------------------------------------
+
+    @web.middleware
+    async def _name_errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """aiohttp's own answers (404 for an unknown path, 405) name the server too: every
+        answer of this cluster carries x-served-by, which is how tests tell an upstream's
+        answer from the gateway's."""
+        try:
+            response: web.StreamResponse = await handler(request)
+        except web.HTTPException as exc:
+            exc.headers.update(self._base_headers())
+            raise
+        return response
 
     def _base_headers(self) -> dict[str, str]:
         if self.config.engine_id:
@@ -882,6 +894,11 @@ async def start_sim_cluster(
         cluster.app(),
         shutdown_timeout=shutdown_timeout,
         access_log=log if access_log else None,
+        # Header lines up to Envoy's own limit (60 KiB by default): aiohttp's 8 KiB default
+        # answered oversized ones itself, in text/plain and before the handler could name the
+        # cluster. Envoy refuses what is larger before it reaches any engine.
+        max_line_size=64 << 10,
+        max_field_size=64 << 10,
         # Real engines abort a request whose client disconnected (vLLM's API server cancels
         # the handler; SGLang checks for the disconnect while it waits): without this, aiohttp
         # would keep "generating" for nobody and count it in flight.

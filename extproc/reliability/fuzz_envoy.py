@@ -142,7 +142,10 @@ def judge_http(
         # A connection Envoy closed without an answer is a crashed exchange for the client.
         return "crashed", result
     status, headers, body = result
-    upstream = "x-envoy-upstream-service-time" in headers
+    # Envoy adds x-envoy-upstream-service-time only once the whole request went upstream; an
+    # engine that answers at the request headers (a 404 for an unknown path, with the body
+    # still streaming behind the headers on the header path) is told by its own x-served-by.
+    upstream = "x-envoy-upstream-service-time" in headers or "x-served-by" in headers
     if not case.inference:
         return ("passthrough_upstream" if upstream else f"passthrough_{status}"), None
     if upstream:
