@@ -138,12 +138,18 @@ def test_route_mode_sessions_stick_to_one_engine_spread_fail_over_and_grow(
     during = [_send(stack, client, sid) for sid in its_sessions]  # all 200 (asserted in _send)
     stack.wait_healthy([victim], healthy=False)
     after: dict[str, set[str]] = collections.defaultdict(set)
+    moved_others: set[str] = set()
     for _ in range(2):
         for sid in sids:
             _cluster, engine = _send(stack, client, sid)
             after[sid].add(engine)
-            if sid not in its_sessions:
-                assert engine == before[sid], (sid, before[sid], engine)
+            if sid not in its_sessions and engine != before[sid]:
+                moved_others.add(sid)
+    # Maglev's disruption is near-minimal, not zero: rebuilding the table without the victim
+    # may move an entry or two of other sessions (1 of 450 seen in a CI run). Any more than
+    # 1 % would be sessions sprayed by the failure.
+    others = len(sids) - len(its_sessions)
+    assert len(moved_others) <= max(2, others // 100), sorted(moved_others)
     for sid in its_sessions:
         assert len(after[sid]) == 1, (sid, after[sid])
         (new,) = after[sid]
