@@ -457,7 +457,13 @@ class FleetStack:
                     return True
             return False
 
-        wait_until(is_ready, 30, "processor READY line")
+        try:
+            wait_until(is_ready, 30, "processor READY line")
+        except BaseException:
+            # Not yet in self.procs, so stop() would not reach it: a processor that is slow to
+            # start on a loaded machine would outlive the stack (seen as orphans holding ports).
+            proc.stop()
+            raise
         metrics = dict(kv.split("=") for kv in ready[0].split()[1:])
         if index < len(self.metrics_ports):
             self.metrics_ports[index] = int(metrics["metrics"])
