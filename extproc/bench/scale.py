@@ -4,13 +4,17 @@ For each fleet size and endpoints per cluster, and for each design —
 
 - ``pairs``: one aggregate cluster per ordered (primary, secondary) pair, N·(N-1) of them
   (``processor.mode: route``);
-- ``pool``: one pool cluster holding every endpoint, override_host picks the processor's
-  endpoints (``processor.mode: endpoint_picker``) —
+- ``pool_cds``: the pool as first built: one pool cluster holding every endpoint inline (a
+  reload replaces the whole cluster by CDS), active health checks every second; override_host
+  picks the processor's endpoints (``processor.mode: endpoint_picker``);
+- ``pool``: the pool as rendered now: the same cluster with its endpoints by EDS (a reload
+  rewrites only the endpoint list) and health checks every ``POOL_HEALTH_CHECK_INTERVAL_S`` —
 
 it renders the Envoy bootstrap + CDS file (file-based CDS, as ``extproc serve --envoy-cds``
 runs it), starts a real Envoy on it and reports: config size, render time, Envoy's start to
-``/ready``, Envoy's RSS once ready, the time for one added cluster to be applied (the CDS file
-rewritten with N+1 clusters until Envoy counts the update and has no cluster warming), and the
+``/ready``, Envoy's RSS once ready, the time for one added cluster to be applied (the CDS and
+EDS files rewritten with N+1 clusters until Envoy counts the update, has no cluster warming
+and holds the N+1 clusters' endpoints), and the
 processor's decision time at that size (rendezvous placement: the plain loop, the packed miss
 path, a cache hit; and the whole ``Pipeline.decide`` per request on repeating sessions).
 
@@ -47,12 +51,25 @@ from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.reliability.probes import rss_bytes
-from extproc.render.envoy import EnvoyOptions
-from extproc.render.envoy_dynamic import split_bootstrap, write_atomically
+from extproc.render.envoy import FALLBACK_CLUSTER, EnvoyOptions
+from extproc.render.envoy_dynamic import (
+    ENDPOINTS_TYPE,
+    PoolEndpoints,
+    endpoints_path,
+    pool_endpoints,
+    split_bootstrap,
+    write_atomically,
+)
 
-Design = Literal["pairs", "pool"]
-DESIGNS: tuple[Design, ...] = ("pairs", "pool")
-MODE_OF: dict[Design, str] = {"pairs": "route", "pool": "endpoint_picker"}
+Design = Literal["pairs", "pool_cds", "pool"]
+DESIGNS: tuple[Design, ...] = ("pairs", "pool_cds", "pool")
+MODE_OF: dict[Design, str] = {
+    "pairs": "route",
+    "pool_cds": "endpoint_picker",
+    "pool": "endpoint_picker",
+}
+# The health-check interval of the pool before it was spread out (pool_cds).
+FIRST_POOL_HEALTH_CHECK_INTERVAL = "1s"
 # Endpoint ports: a block nothing on this machine listens on by default (below the Linux
 # ephemeral range, 32768+).
 FIRST_ENDPOINT_PORT = 20000
@@ -71,8 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pairs-max-clusters",
         type=int,
-        default=128,
-        help="skip the pairs design above this many clusters (256: ~4 min and ~3.5 GB)",
+        default=64,
+        help="skip the pairs design above this many clusters (128: ~20 s idle, over 300 s on a"
+        " loaded machine; 256: ~4 min and ~3.5 GB)",
     )
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds")
     parser.add_argument("--reload-timeout", type=float, default=300.0, help="seconds")
@@ -135,11 +153,44 @@ def runtime_of(doc: dict[str, Any]) -> Runtime:
     return compile_runtime(parse_config(doc))
 
 
-def render(runtime: Runtime, workdir: Path) -> tuple[bytes, bytes, int]:
-    """(bootstrap JSON, CDS JSON, Envoy clusters in the CDS)."""
-    cds_path = workdir / "cds.json"
-    bootstrap, cds = split_bootstrap(runtime, str(cds_path), EnvoyOptions(access_log_path=None))
-    return orjson.dumps(bootstrap), orjson.dumps(cds), len(cds["resources"])
+@dataclass(frozen=True)
+class Rendered:
+    bootstrap: bytes
+    cds: bytes
+    eds: bytes  # empty when the design has no EDS file
+    envoy_clusters: int
+
+
+def render(runtime: Runtime, design: Design, workdir: Path) -> Rendered:
+    cds_path = str(workdir / "cds.json")
+    opts = EnvoyOptions(access_log_path=None)
+    pool: PoolEndpoints = "file" if design == "pool" else "inline"
+    bootstrap, cds = split_bootstrap(runtime, cds_path, opts, pool=pool)
+    if design == "pool_cds":
+        for cluster in cds["resources"]:
+            for check in cluster.get("health_checks", []):
+                check["interval"] = FIRST_POOL_HEALTH_CHECK_INTERVAL
+                check["no_traffic_interval"] = FIRST_POOL_HEALTH_CHECK_INTERVAL
+    assignments = pool_endpoints(runtime, opts) if design == "pool" else []
+    eds = b""
+    if assignments:
+        eds = orjson.dumps(
+            {
+                "version_info": runtime.version,
+                "resources": [{"@type": ENDPOINTS_TYPE, **a} for a in assignments],
+            }
+        )
+    return Rendered(orjson.dumps(bootstrap), orjson.dumps(cds), eds, len(cds["resources"]))
+
+
+def write_dynamic(rendered: Rendered, workdir: Path, previous: Rendered | None = None) -> bool:
+    """The EDS file, then the CDS file if it changed: whether the CDS file was written."""
+    if rendered.eds:
+        write_atomically(endpoints_path(workdir / "cds.json"), rendered.eds.decode())
+    if previous is not None and previous.cds == rendered.cds:
+        return False
+    write_atomically(workdir / "cds.json", rendered.cds.decode())
+    return True
 
 
 def _stats(admin: int, pattern: str) -> dict[str, int]:
@@ -157,7 +208,10 @@ def _stats(admin: int, pattern: str) -> dict[str, int]:
     return out
 
 
-CDS_STATS = r"^cluster_manager\.(cds\.update_success|cds\.update_rejected|warming_clusters)$"
+CDS_STATS = (
+    r"^cluster_manager\.(cds\.update_success|cds\.update_rejected|warming_clusters)$"
+    rf"|^cluster\.{FALLBACK_CLUSTER}\.(membership_total|update_rejected)$"
+)
 
 
 def _ready(admin: int) -> bool:
@@ -174,11 +228,12 @@ def measure_envoy(
     ports = [free_port() for _ in range(3)]
     t0 = time.perf_counter()
     runtime = runtime_of(fleet_doc(n, per, design, ports))
-    bootstrap, cds, row.envoy_clusters = render(runtime, workdir)
+    rendered = render(runtime, design, workdir)
     row.render_s = time.perf_counter() - t0
-    row.config_bytes = len(bootstrap) + len(cds)
-    (workdir / "bootstrap.json").write_bytes(bootstrap)
-    write_atomically(workdir / "cds.json", cds.decode())
+    row.envoy_clusters = rendered.envoy_clusters
+    row.config_bytes = len(rendered.bootstrap) + len(rendered.cds) + len(rendered.eds)
+    (workdir / "bootstrap.json").write_bytes(rendered.bootstrap)
+    write_dynamic(rendered, workdir)
     argv = [
         envoy_binary(),
         "-c",
@@ -204,7 +259,7 @@ def measure_envoy(
         row.ready_s = time.perf_counter() - start
         assert envoy.popen is not None
         row.rss_mb = rss_bytes(envoy.popen.pid) / 1e6
-        row.reload_s = _reload(n, per, design, ports, workdir, admin, reload_timeout)
+        row.reload_s = _reload(n, per, design, ports, workdir, admin, reload_timeout, rendered)
         row.rss_after_reload_mb = rss_bytes(envoy.popen.pid) / 1e6
         return row
     finally:
@@ -212,28 +267,39 @@ def measure_envoy(
 
 
 def _reload(
-    n: int, per: int, design: Design, ports: Sequence[int], workdir: Path, admin: int, limit: float
+    n: int,
+    per: int,
+    design: Design,
+    ports: Sequence[int],
+    workdir: Path,
+    admin: int,
+    limit: float,
+    previous: Rendered,
 ) -> float | None:
-    """One more cluster through the CDS file: seconds until Envoy has applied it."""
+    """One more cluster through the CDS/EDS files: seconds until Envoy has applied it."""
     before: dict[str, int] = {}
     deadline = time.perf_counter() + limit
     while not before:
         if time.perf_counter() > deadline:
             return None
         before = _stats(admin, CDS_STATS)
-    _b, cds, _count = render(runtime_of(fleet_doc(n + 1, per, design, ports)), workdir)
+    rendered = render(runtime_of(fleet_doc(n + 1, per, design, ports)), design, workdir)
     start = time.perf_counter()
-    write_atomically(workdir / "cds.json", cds.decode())
+    cds_written = write_dynamic(rendered, workdir, previous)
+    rejected = (
+        "cluster_manager.cds.update_rejected",
+        f"cluster.{FALLBACK_CLUSTER}.update_rejected",
+    )
     while time.perf_counter() - start < limit:
         now = _stats(admin, CDS_STATS)
-        if now.get("cluster_manager.cds.update_rejected", 0) > before.get(
-            "cluster_manager.cds.update_rejected", 0
-        ):
-            raise RuntimeError(f"Envoy rejected the CDS update ({design}, {n + 1} clusters)")
-        done = now.get("cluster_manager.cds.update_success", 0) > before.get(
+        if any(now.get(k, 0) > before.get(k, 0) for k in rejected):
+            raise RuntimeError(f"Envoy rejected the update ({design}, {n + 1} clusters)")
+        cds_done = not cds_written or now.get("cluster_manager.cds.update_success", 0) > before.get(
             "cluster_manager.cds.update_success", 0
         )
-        if done and now.get("cluster_manager.warming_clusters", 1) == 0:
+        hosts = now.get(f"cluster.{FALLBACK_CLUSTER}.membership_total", 0)
+        settled = now.get("cluster_manager.warming_clusters", 1) == 0
+        if cds_done and settled and hosts == (n + 1) * per:
             return time.perf_counter() - start
         time.sleep(0.02)
     return None
@@ -358,9 +424,11 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"extproc bench scale: unknown design(s) {sorted(unknown)}; use {DESIGNS}")
         return 2
-    decisions = [measure_decisions(n, designs, args.requests) for n in args.sizes]
+    # The two pool designs differ only in Envoy's config: one processor, one decision time.
+    deciders = [d for d in designs if d != "pool_cds"]
+    decisions = [measure_decisions(n, deciders, args.requests) for n in args.sizes]
     print("Decision time (µs per call; placement: equal weights; decide(): 8 endpoints/cluster)")
-    print(decision_table(decisions, designs), flush=True)
+    print(decision_table(decisions, deciders), flush=True)
     envoy_rows: list[EnvoyRow] = []
     if not args.decisions_only:
         root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-scale-"))

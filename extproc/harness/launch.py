@@ -25,7 +25,7 @@ import yaml
 
 from extproc.config import load_runtime
 from extproc.render.envoy import EnvoyOptions, Mode, render_bootstrap
-from extproc.render.envoy_dynamic import split_bootstrap, write_atomically
+from extproc.render.envoy_dynamic import split_bootstrap, write_atomically, write_cds
 from extproc.render.envoy_xds import xds_bootstrap
 
 LOOPBACK = "127.0.0.1"
@@ -283,8 +283,8 @@ class FleetStack:
         if self.xds_cds:
             bootstrap = xds_bootstrap(runtime, opts)
         elif self.dynamic_cds:
-            bootstrap, cds = split_bootstrap(runtime, str(self.cds_path), opts)
-            write_atomically(self.cds_path, yaml.safe_dump(cds, sort_keys=False))
+            bootstrap, _cds = split_bootstrap(runtime, str(self.cds_path), opts)
+            write_cds(runtime, str(self.cds_path), opts)
         else:
             bootstrap = render_bootstrap(runtime, opts)
         self.envoy_path = self.workdir / "envoy.yaml"

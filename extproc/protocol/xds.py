@@ -1,4 +1,4 @@
-"""Envoy's clusters over gRPC xDS: the Cluster Discovery Service, state of the world.
+"""Envoy's clusters over gRPC xDS: the Cluster and Endpoint Discovery Services, state of the world.
 
 An alternative to the CDS file (extproc/render/envoy_dynamic.py): Envoy's bootstrap points its
 ``cds_config`` at the processor's own gRPC port (the static ``extproc`` cluster, HTTP/2
@@ -11,6 +11,11 @@ DiscoveryRequest; the server answers with every cluster, a version and a nonce; 
 each response with a request carrying that nonce: the version when it applied it (ACK), the
 previous version and an ``error_detail`` when it refused it (NACK). Each :meth:`publish` sends
 the new set to every open stream; a stream that missed versions gets only the newest.
+
+EDS, the same protocol on its own stream: the pool data path's one cluster takes its endpoints
+from here (``type: EDS``, see extproc/render/envoy_dynamic.py), so a fleet change sends a new
+endpoint list and leaves the pool cluster, its hosts' health-check sessions and connection
+pools in place, where a CDS update would re-create the cluster with every host.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 # Imported for their descriptors: json_format resolves the typed_config "@type" of the
@@ -26,6 +31,7 @@ from typing import Any
 # through the default pool.
 import grpc
 from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as _aggregate  # noqa: F401
 from envoy.extensions.load_balancing_policies.override_host.v3 import (  # noqa: F401
     override_host_pb2 as _override_host,
@@ -38,40 +44,54 @@ from envoy.extensions.upstreams.http.v3 import (  # noqa: F401
 )
 from envoy.service.cluster.v3 import cds_pb2_grpc
 from envoy.service.discovery.v3 import discovery_pb2
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from google.protobuf import any_pb2, json_format
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 log = logging.getLogger("extproc.xds")
 
 CLUSTER_TYPE_URL = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINTS_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 
 
-def cluster_resources(clusters: Sequence[dict[str, Any]]) -> list[any_pb2.Any]:
-    """The rendered cluster dicts as packed Cluster protos (raises ParseError on a bad one)."""
+def _packed(docs: Sequence[dict[str, Any]], message: Any) -> list[any_pb2.Any]:
     packed = []
-    for doc in clusters:
+    for doc in docs:
         body = {k: v for k, v in doc.items() if k != "@type"}
-        cluster = json_format.ParseDict(body, cluster_pb2.Cluster())
         resource = any_pb2.Any()
-        resource.Pack(cluster)
+        resource.Pack(json_format.ParseDict(body, message()))
         packed.append(resource)
     return packed
 
 
-class ClusterDiscovery(cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: ignore[misc]
-    def __init__(self, registry: CollectorRegistry) -> None:
+def cluster_resources(clusters: Sequence[dict[str, Any]]) -> list[any_pb2.Any]:
+    """The rendered cluster dicts as packed Cluster protos (raises ParseError on a bad one)."""
+    return _packed(clusters, cluster_pb2.Cluster)
+
+
+def endpoint_resources(assignments: Sequence[dict[str, Any]]) -> list[any_pb2.Any]:
+    """The pool's rendered ClusterLoadAssignment dicts as packed protos."""
+    return _packed(assignments, endpoint_pb2.ClusterLoadAssignment)
+
+
+class _StateOfTheWorld:
+    """One resource type served state-of-the-world to every open stream (see the module note)."""
+
+    def __init__(self, type_url: str, kind: str, metric: str, registry: CollectorRegistry) -> None:
+        self._type_url = type_url
+        self._kind = kind
         self._serial = 0  # the nonce: one per published set
-        self._response = discovery_pb2.DiscoveryResponse(type_url=CLUSTER_TYPE_URL)
+        self._response = discovery_pb2.DiscoveryResponse(type_url=type_url)
         self._streams: set[asyncio.Event] = set()
         self._closed = False
         self.acks = Counter(
-            "fleet_xds_responses",
-            "CDS responses Envoy answered, by result (ack: applied, nack: refused).",
+            f"{metric}_responses",
+            f"{kind} responses Envoy answered, by result (ack: applied, nack: refused).",
             ["result"],
             registry=registry,
         )
         self.streams = Gauge(
-            "fleet_xds_streams", "Envoy CDS streams open to this replica.", registry=registry
+            f"{metric}_streams", f"Envoy {kind} streams open to this replica.", registry=registry
         )
 
     def close(self) -> None:
@@ -84,14 +104,12 @@ class ClusterDiscovery(cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: i
     def version(self) -> str:
         return str(self._response.version_info)
 
-    def publish(self, version: str, clusters: Sequence[dict[str, Any]]) -> None:
-        """Serve ``clusters`` (rendered dicts) as ``version`` from now on, to every stream."""
-        resources = cluster_resources(clusters)
+    def _publish(self, version: str, resources: list[any_pb2.Any]) -> None:
         self._serial += 1
         self._response = discovery_pb2.DiscoveryResponse(
             version_info=version,
             resources=resources,
-            type_url=CLUSTER_TYPE_URL,
+            type_url=self._type_url,
             nonce=str(self._serial),
         )
         for wake in self._streams:
@@ -106,7 +124,7 @@ class ClusterDiscovery(cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: i
                 wake.set()  # the first request asks for the current set
         except grpc.aio.AioRpcError as exc:
             # The stream broke (Envoy gone, connection reset): the writer ends with it.
-            log.info("envoy cds stream ended", extra={"error": exc.code().name})
+            log.info(f"envoy {self._kind} stream ended", extra={"error": exc.code().name})
 
     def _answered(self, request: discovery_pb2.DiscoveryRequest) -> None:
         if not request.response_nonce:
@@ -114,7 +132,7 @@ class ClusterDiscovery(cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: i
         if request.HasField("error_detail"):
             self.acks.labels("nack").inc()
             log.error(
-                "envoy refused our clusters",
+                f"envoy refused our {self._kind} resources",
                 extra={
                     "nonce": request.response_nonce,
                     "version": request.version_info,
@@ -124,9 +142,9 @@ class ClusterDiscovery(cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: i
         else:
             self.acks.labels("ack").inc()
 
-    async def StreamClusters(
-        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: Any
-    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+    async def _stream(
+        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest]
+    ) -> AsyncGenerator[discovery_pb2.DiscoveryResponse, None]:
         wake = asyncio.Event()
         reader = asyncio.ensure_future(self._read(request_iterator, wake))
         reader.add_done_callback(lambda _task: wake.set())
@@ -149,7 +167,48 @@ class ClusterDiscovery(cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: i
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
+
+class ClusterDiscovery(_StateOfTheWorld, cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: ignore[misc]
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(CLUSTER_TYPE_URL, "cds", "fleet_xds", registry)
+
+    def publish(self, version: str, clusters: Sequence[dict[str, Any]]) -> None:
+        """Serve ``clusters`` (rendered dicts) as ``version`` from now on, to every stream."""
+        self._publish(version, cluster_resources(clusters))
+
+    async def StreamClusters(
+        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: Any
+    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        # An async generator, as grpc.aio runs a streaming handler; closed with this one.
+        async with contextlib.aclosing(self._stream(request_iterator)) as stream:
+            async for response in stream:
+                yield response
+
     async def FetchClusters(
+        self, request: discovery_pb2.DiscoveryRequest, context: Any
+    ) -> discovery_pb2.DiscoveryResponse:
+        return self._response
+
+
+class EndpointDiscovery(_StateOfTheWorld, eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type: ignore[misc]
+    """The pool's endpoints. Every stream gets every assignment (the pool's, when the fleet
+    uses the pool): Envoy takes the ones its clusters asked for."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        super().__init__(ENDPOINTS_TYPE_URL, "eds", "fleet_eds", registry)
+
+    def publish(self, version: str, assignments: Sequence[dict[str, Any]]) -> None:
+        self._publish(version, endpoint_resources(assignments))
+
+    async def StreamEndpoints(
+        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: Any
+    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        # An async generator, as grpc.aio runs a streaming handler; closed with this one.
+        async with contextlib.aclosing(self._stream(request_iterator)) as stream:
+            async for response in stream:
+                yield response
+
+    async def FetchEndpoints(
         self, request: discovery_pb2.DiscoveryRequest, context: Any
     ) -> discovery_pb2.DiscoveryResponse:
         return self._response

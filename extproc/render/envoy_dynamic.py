@@ -5,6 +5,13 @@ select clusters by the ``x-fleet-route`` header. Only the cluster set does (infe
 their (primary, secondary) aggregates, the fallback cluster), so only clusters are dynamic.
 Envoy watches the CDS file and applies a new version when the file is *moved* into place, so
 writers must write a temporary file in the same directory and rename it.
+
+The pool data path (one cluster holding every endpoint) takes its endpoints by EDS, from a
+second file beside the CDS file (``endpoints_path``): a fleet change then rewrites only the
+pool's endpoint list, and the pool cluster itself stays as it is. Replacing the cluster by CDS
+instead re-creates it with every host, their health-check sessions and connection pools; at
+512 x 8 that was the bulk of a one-cluster reload (BENCHMARKS.md "Scale"). EDS carries IP
+addresses only, so a pool with host names (STRICT_DNS) keeps its endpoints inline.
 """
 
 from __future__ import annotations
@@ -12,20 +19,69 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from extproc.config.runtime import Runtime
-from extproc.render.envoy import EXTPROC_CLUSTER, EnvoyOptions, render_bootstrap
+from extproc.render.envoy import EXTPROC_CLUSTER, FALLBACK_CLUSTER, EnvoyOptions, render_bootstrap
 
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINTS_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+# Where the pool's endpoints come from: the file beside the CDS file, the processor's gRPC
+# xDS server (extproc/protocol/xds.py), or inline in the cluster (the design before EDS).
+PoolEndpoints = Literal["file", "grpc", "inline"]
+
+Json = dict[str, Any]
+
+
+def endpoints_path(cds_path: str | Path) -> Path:
+    """The pool's EDS file: beside the CDS file, same format (Envoy reads it by extension)."""
+    path = Path(cds_path).resolve()
+    return path.with_name(f"{path.stem}.endpoints{path.suffix}")
+
+
+def _eds_source(source: PoolEndpoints, cds_path: str) -> Json:
+    if source == "file":
+        return {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": str(endpoints_path(cds_path))},
+        }
+    return {
+        "resource_api_version": "V3",
+        "api_config_source": {
+            "api_type": "GRPC",
+            "transport_api_version": "V3",
+            "grpc_services": [{"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}}],
+            "set_node_on_first_message_only": True,
+        },
+    }
+
+
+def _is_eds_pool(runtime: Runtime, cluster: Json) -> bool:
+    return (
+        runtime.endpoint_picker
+        and cluster["name"] == FALLBACK_CLUSTER
+        and cluster.get("type") == "STATIC"
+    )
+
+
+def pool_to_eds(runtime: Runtime, clusters: list[Json], source: Json) -> list[Json]:
+    """Move the pool's endpoints out of its cluster (in place): its ClusterLoadAssignments."""
+    assignments = []
+    for cluster in clusters:
+        if _is_eds_pool(runtime, cluster):
+            assignments.append(cluster.pop("load_assignment"))
+            cluster["type"] = "EDS"
+            cluster["eds_cluster_config"] = {"eds_config": source}
+    return assignments
 
 
 def split_bootstrap(
-    runtime: Runtime, cds_path: str, opts: EnvoyOptions | None = None
+    runtime: Runtime, cds_path: str, opts: EnvoyOptions | None = None, pool: PoolEndpoints = "file"
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(bootstrap with CDS from ``cds_path``, the CDS file's contents)."""
+    """(bootstrap with CDS from ``cds_path``, the CDS file's contents); ``pool``: where the
+    pool's endpoints come from (``write_cds`` writes the EDS file)."""
     full = render_bootstrap(runtime, opts)
     clusters = full["static_resources"]["clusters"]
     static = [c for c in clusters if c["name"] == EXTPROC_CLUSTER]
@@ -47,11 +103,43 @@ def split_bootstrap(
     }
     # Envoy needs a node identity when it reads dynamic resources.
     full["node"] = {"id": "fleet-extproc", "cluster": "fleet-extproc"}
+    if pool != "inline":
+        pool_to_eds(runtime, dynamic, _eds_source(pool, cds_path))
     cds = {
         "version_info": runtime.version,
         "resources": [{"@type": CLUSTER_TYPE, **c} for c in dynamic],
     }
     return full, cds
+
+
+def pool_endpoints(runtime: Runtime, opts: EnvoyOptions | None = None) -> list[Json]:
+    """The pool's ClusterLoadAssignments as EDS serves them (none in the pairs design, or for a
+    pool of host names, which keeps them inline)."""
+    clusters = render_bootstrap(runtime, opts)["static_resources"]["clusters"]
+    return pool_to_eds(runtime, clusters, {})
+
+
+def union_endpoints(old: Runtime, new: Runtime, opts: EnvoyOptions | None = None) -> list[Json]:
+    """The pool's endpoints of both configs: every locality (fleet cluster) of the new one, and
+    the old one's that the new one dropped (they go with the final write, after the switch)."""
+    fresh = pool_endpoints(new, opts)
+    if not fresh:
+        return fresh
+    localities = {loc["locality"]["sub_zone"] for cla in fresh for loc in cla["endpoints"]}
+    for cla in pool_endpoints(old, opts):
+        for target in fresh:
+            if target["cluster_name"] == cla["cluster_name"]:
+                target["endpoints"] += [
+                    loc for loc in cla["endpoints"] if loc["locality"]["sub_zone"] not in localities
+                ]
+    return fresh
+
+
+def _endpoints_doc(version: str, assignments: list[Json]) -> Json:
+    return {
+        "version_info": version,
+        "resources": [{"@type": ENDPOINTS_TYPE, **a} for a in assignments],
+    }
 
 
 def write_atomically(path: str | Path, text: str) -> None:
@@ -67,7 +155,15 @@ def write_atomically(path: str | Path, text: str) -> None:
         raise
 
 
+def _write_endpoints(cds_path: str, version: str, assignments: list[Json]) -> None:
+    """The EDS file goes first: a pool cluster the CDS file creates finds its endpoints."""
+    if assignments:
+        doc = _endpoints_doc(version, assignments)
+        write_atomically(endpoints_path(cds_path), yaml.safe_dump(doc, sort_keys=False))
+
+
 def write_cds(runtime: Runtime, cds_path: str, opts: EnvoyOptions | None = None) -> None:
+    _write_endpoints(cds_path, runtime.version, pool_endpoints(runtime, opts))
     _bootstrap, cds = split_bootstrap(runtime, cds_path, opts)
     write_atomically(cds_path, yaml.safe_dump(cds, sort_keys=False))
 
@@ -81,5 +177,7 @@ def write_cds_union(
     _b, new_cds = split_bootstrap(new, cds_path, opts)
     names = {r["name"] for r in new_cds["resources"]}
     resources = new_cds["resources"] + [r for r in old_cds["resources"] if r["name"] not in names]
-    union = {"version_info": f"{old.version}+{new.version}", "resources": resources}
+    version = f"{old.version}+{new.version}"
+    _write_endpoints(cds_path, version, union_endpoints(old, new, opts))
+    union = {"version_info": version, "resources": resources}
     write_atomically(cds_path, yaml.safe_dump(union, sort_keys=False))

@@ -4,7 +4,9 @@ The same split as the CDS file (extproc/render/envoy_dynamic.py: the listener, f
 and the processor's own cluster stay static; the inference clusters, their aggregates and the
 fallback cluster are dynamic), but ``cds_config`` names the processor's gRPC cluster: the
 processor serves the clusters itself (extproc/protocol/xds.py, ``extproc serve --xds-cds``).
-No shared volume, and a reload reaches Envoy in one gRPC message.
+No shared volume, and a reload reaches Envoy in one gRPC message. The pool data path's
+cluster takes its endpoints by EDS from the same server (``pool_endpoints``): a fleet change
+then updates the endpoint list only, not the cluster.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ Json = dict[str, Any]
 
 
 def xds_bootstrap(runtime: Runtime, opts: EnvoyOptions | None = None) -> Json:
-    bootstrap, _cds = split_bootstrap(runtime, "/dev/null", opts)
+    bootstrap, _cds = split_bootstrap(runtime, "/dev/null", opts, pool="grpc")
     bootstrap["dynamic_resources"] = {
         "cds_config": {
             "resource_api_version": "V3",
@@ -37,7 +39,7 @@ def xds_bootstrap(runtime: Runtime, opts: EnvoyOptions | None = None) -> Json:
 
 def dynamic_clusters(runtime: Runtime, opts: EnvoyOptions | None = None) -> list[Json]:
     """The clusters the processor serves over CDS (without the CDS file's "@type" keys)."""
-    _bootstrap, cds = split_bootstrap(runtime, "/dev/null", opts)
+    _bootstrap, cds = split_bootstrap(runtime, "/dev/null", opts, pool="grpc")
     return [{k: v for k, v in r.items() if k != "@type"} for r in cds["resources"]]
 
 

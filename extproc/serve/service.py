@@ -28,6 +28,7 @@ from pathlib import Path
 
 import grpc
 from envoy.service.cluster.v3 import cds_pb2_grpc
+from envoy.service.endpoint.v3 import eds_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
@@ -53,10 +54,15 @@ from extproc.pipeline.model_discovery import ModelDiscovery
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import FleetProcessor
-from extproc.protocol.xds import ClusterDiscovery
+from extproc.protocol.xds import ClusterDiscovery, EndpointDiscovery
 from extproc.redis_client import bounded_client
 from extproc.redis_health import RedisHealth
-from extproc.render.envoy_dynamic import write_cds, write_cds_union
+from extproc.render.envoy_dynamic import (
+    pool_endpoints,
+    union_endpoints,
+    write_cds,
+    write_cds_union,
+)
 from extproc.render.envoy_xds import dynamic_clusters, union_clusters
 from extproc.serve.admin import AdminApp, start_admin
 from extproc.serve.drain import drain
@@ -149,8 +155,11 @@ class Service:
             fleet=self._fleet_state(runtime),
         )
         self.xds: ClusterDiscovery | None = None
+        self.eds: EndpointDiscovery | None = None
         if opts.xds_cds:
             self.xds = ClusterDiscovery(self.registry)
+            self.eds = EndpointDiscovery(self.registry)
+            self.eds.publish(runtime.version, pool_endpoints(runtime))
             self.xds.publish(runtime.version, dynamic_clusters(runtime))
         self.draining = False
         self.grpc_port = 0
@@ -284,9 +293,10 @@ class Service:
             # removed.
             if cds:
                 write_cds_union(self.holder.current, fresh, cds)
-            if self.xds is not None:
-                union = union_clusters(self.holder.current, fresh)
-                self.xds.publish(f"{old}+{fresh.version}", union)
+            if self.xds is not None and self.eds is not None:
+                union_version = f"{old}+{fresh.version}"
+                self.eds.publish(union_version, union_endpoints(self.holder.current, fresh))
+                self.xds.publish(union_version, union_clusters(self.holder.current, fresh))
             await asyncio.sleep(self.opts.cds_settle_s)
         self._base = fresh
         self.pipeline.use(self._local_view(fresh))
@@ -299,7 +309,8 @@ class Service:
             await asyncio.sleep(self.opts.cds_settle_s)
             if cds:
                 write_cds(fresh, cds)
-            if self.xds is not None:
+            if self.xds is not None and self.eds is not None:
+                self.eds.publish(fresh.version, pool_endpoints(fresh))
                 self.xds.publish(fresh.version, dynamic_clusters(fresh))
         log.info(
             "config reloaded",
@@ -354,8 +365,9 @@ class Service:
         processor = FleetProcessor(self.pipeline, self.clock)
         ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        if self.xds is not None:
+        if self.xds is not None and self.eds is not None:
             cds_pb2_grpc.add_ClusterDiscoveryServiceServicer_to_server(self.xds, server)
+            eds_pb2_grpc.add_EndpointDiscoveryServiceServicer_to_server(self.eds, server)
         address = self.opts.address or cfg.processor.address
         port = cfg.processor.port if self.opts.port is None else self.opts.port
         self.grpc_port = server.add_insecure_port(f"{address}:{port}")
@@ -418,7 +430,7 @@ class Service:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         times = drain_times(self.holder.current.config, self.opts.grace_s, self.opts.drain_delay_s)
-        stoppable = server if self.xds is None else _ClosingXds(server, self.xds)
+        stoppable = server if self.xds is None else _ClosingXds(server, self.xds, self.eds)
         report = await drain(stoppable, lambda: processor.active, times, time.monotonic)
         for watcher in watchers:
             watcher.cancel()
@@ -449,12 +461,17 @@ class _ClosingXds:
     drain limit (forever without one). Envoy keeps its clusters and reconnects to another
     replica."""
 
-    def __init__(self, server: grpc.aio.Server, xds: ClusterDiscovery) -> None:
+    def __init__(
+        self, server: grpc.aio.Server, xds: ClusterDiscovery, eds: EndpointDiscovery | None
+    ) -> None:
         self._server = server
         self._xds = xds
+        self._eds = eds
 
     async def stop(self, grace: float | None) -> None:
         self._xds.close()
+        if self._eds is not None:
+            self._eds.close()
         await self._server.stop(grace)
 
 

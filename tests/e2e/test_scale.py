@@ -114,8 +114,9 @@ def test_a_failing_health_check_excludes_the_cluster_and_its_return_restores_it(
     try:
         fault.post_json("/admin/fault", b'{"mode": "refuse"}')  # /health answers 503
         wait_until(lambda: primary_now() != endpoint, 20, "the prober to exclude the endpoint")
-        # Envoy's own per-host health check in the pool sees it too.
-        wait_until(lambda: envoy_sees(False), 20, "Envoy's health check to fail the host")
+        # Envoy's own per-host health check in the pool sees it too (every 4 s in the pool,
+        # two failures: POOL_HEALTH_CHECK_INTERVAL_S).
+        wait_until(lambda: envoy_sees(False), 40, "Envoy's health check to fail the host")
         served: collections.Counter[str] = collections.Counter()
         for _ in range(20):
             status, hdrs, data = client.post_json(CHAT, body, headers)
@@ -130,7 +131,7 @@ def test_a_failing_health_check_excludes_the_cluster_and_its_return_restores_it(
         fault.post_json("/admin/fault", b'{"mode": "none"}')
         fault.close()
     wait_until(lambda: primary_now() == endpoint, 20, "the endpoint to be ready again")
-    wait_until(lambda: envoy_sees(True), 20, "Envoy's health check to pass the host again")
+    wait_until(lambda: envoy_sees(True), 40, "Envoy's health check to pass the host again")
     for _ in range(10):
         status, hdrs, _ = client.post_json(CHAT, body, headers)
         assert status == 200 and hdrs["x-served-by"] == placement.primary

@@ -118,3 +118,58 @@ def test_cluster_added_and_removed_under_traffic(xds_stack: FleetStack) -> None:
     # SIGTERM: the replica drains and exits by itself; Envoy's CDS stream, which never ends on
     # its own, does not hold it (a kill after the timeout would give -9).
     assert stack.procs[0].stop(timeout=30) == 0, dump_logs(stack)
+
+
+@pytest.fixture
+def xds_pool_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    stack = FleetStack(
+        tmp_path_factory.mktemp("xds-pool"),
+        clusters=3,
+        xds_cds=True,
+        fleet_overrides={"processor": {"mode": "endpoint_picker"}},
+    )
+    with stack:
+        yield stack
+
+
+def pool_hosts(stack: FleetStack) -> set[str]:
+    return {addr for cluster, addr in stack.host_health() if cluster == "all_clusters"}
+
+
+def test_the_pool_gets_its_endpoints_by_eds_and_a_reload_changes_only_them(
+    xds_pool_stack: FleetStack,
+) -> None:
+    """Issue 21: the pool cluster is created once (CDS) and a fleet change reaches Envoy as a
+    new endpoint list (EDS); the cluster is never replaced, so its hosts stay."""
+    stack = xds_pool_stack
+    cds_updates = "cluster_manager.cds.update_success"
+
+    def counter(name: str) -> int:
+        _status, body = http_get(stack.admin_port, f"/stats?filter=^{name}$")
+        return int(body.decode().split(": ")[1])
+
+    start_hosts = pool_hosts(stack)
+    assert envoy_clusters(stack) == {"all_clusters", "extproc"}
+    assert len(start_hosts) == 3
+    created = counter("cluster_manager.cluster_added")
+    with Traffic(stack) as traffic:
+        wait_until(lambda: sum(traffic.statuses.values()) >= 20, 30, "traffic")
+        cds_before = counter(cds_updates)
+        stack.add_cluster("c4")
+        c4 = f"127.0.0.1:{stack.sim_specs['c4'].port}"
+        added = reload_and_time(stack, lambda: c4 in pool_hosts(stack), "c4 in the pool")
+        wait_until(lambda: traffic.served["c4"] >= 5, 30, "traffic on c4", interval=0.1)
+        # Envoy acknowledged new cluster sets (union, final), but none replaced the pool.
+        assert counter(cds_updates) >= cds_before
+        assert counter("cluster_manager.cluster_added") == created
+        assert counter("cluster_manager.cluster_modified") == 0
+        assert pool_hosts(stack) == start_hosts | {c4}
+    total = sum(traffic.statuses.values())
+    print(f"xds pool: c4 in Envoy's pool {added:.3f}s after the reload; {total} requests")
+    assert traffic.statuses == {200: total}, (traffic.failures[:5], dump_logs(stack))
+    assert added < 1.0, added
+    metrics = stack.processor_metrics()
+    for family in ("fleet_xds_responses_total", "fleet_eds_responses_total"):
+        assert metrics.get((family, (("result", "nack"),)), 0) == 0, family
+    # The first set and the union (the final set follows cds_settle_s after the switch).
+    assert metrics.get(("fleet_eds_responses_total", (("result", "ack"),)), 0) >= 2
