@@ -31,6 +31,7 @@ Cost at hundreds of clusters (issue 21): a decision is O(N) hashes, and a Python
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import sys
@@ -61,6 +62,11 @@ def mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+# Memoised: the pool data path seeds the endpoints of both picked clusters on every request
+# (core/endpoints.py endpoint_order), 16 blake2b calls at 8 endpoints per cluster, which was
+# most of what the pool's decision cost over the pairs' (issue 21). Bounded: names come from
+# the config (clusters, endpoints), never from requests.
+@functools.lru_cache(maxsize=1 << 16)
 def cluster_seed(name: str) -> int:
     """A cluster's hash seed comes from its name, so reordering the config moves nothing."""
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big")
