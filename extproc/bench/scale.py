@@ -97,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decisions-only", action="store_true", help="only the processor's decision times"
     )
+    parser.add_argument(
+        "--envoy-only", action="store_true", help="only the Envoy rows, no decision times"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="Envoy runs per row, interleaved by design"
+    )
     parser.add_argument("--requests", type=int, default=2000, help="decide() calls per size")
     parser.add_argument("--workdir", default=None, help="keep configs and logs here")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -426,20 +432,24 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # The two pool designs differ only in Envoy's config: one processor, one decision time.
     deciders = [d for d in designs if d != "pool_cds"]
-    decisions = [measure_decisions(n, deciders, args.requests) for n in args.sizes]
-    print("Decision time (µs per call; placement: equal weights; decide(): 8 endpoints/cluster)")
-    print(decision_table(decisions, deciders), flush=True)
+    decisions = []
+    if not args.envoy_only:
+        decisions = [measure_decisions(n, deciders, args.requests) for n in args.sizes]
+        print(
+            "Decision time (µs per call; placement: equal weights; decide(): 8 endpoints/cluster)"
+        )
+        print(decision_table(decisions, deciders), flush=True)
     envoy_rows: list[EnvoyRow] = []
     if not args.decisions_only:
         root = Path(args.workdir or tempfile.mkdtemp(prefix="bench-scale-"))
         for per in args.endpoints:
             for n in args.sizes:
-                for design in designs:
+                for design in [d for _ in range(args.repeat) for d in designs]:
                     if design == "pairs" and n > args.pairs_max_clusters:
                         row = EnvoyRow(design, n, per)
                         row.skipped = f"above --pairs-max-clusters {args.pairs_max_clusters}"
                     else:
-                        workdir = root / f"{design}-{n}x{per}"
+                        workdir = root / f"{design}-{n}x{per}-{len(envoy_rows)}"
                         workdir.mkdir(parents=True, exist_ok=True)
                         row = measure_envoy(
                             n, per, design, workdir, args.ready_timeout, args.reload_timeout

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 # Imported for their descriptors: json_format resolves the typed_config "@type" of the
@@ -142,9 +142,10 @@ class _StateOfTheWorld:
         else:
             self.acks.labels("ack").inc()
 
-    async def _stream(
-        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest]
-    ) -> AsyncGenerator[discovery_pb2.DiscoveryResponse, None]:
+    async def _serve(
+        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: Any
+    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        """The streaming handler (Stream<Type>): an async generator, as grpc.aio runs one."""
         wake = asyncio.Event()
         reader = asyncio.ensure_future(self._read(request_iterator, wake))
         reader.add_done_callback(lambda _task: wake.set())
@@ -167,8 +168,16 @@ class _StateOfTheWorld:
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
+    async def _fetch(
+        self, request: discovery_pb2.DiscoveryRequest, context: Any
+    ) -> discovery_pb2.DiscoveryResponse:
+        return self._response
+
 
 class ClusterDiscovery(_StateOfTheWorld, cds_pb2_grpc.ClusterDiscoveryServiceServicer):  # type: ignore[misc]
+    StreamClusters = _StateOfTheWorld._serve
+    FetchClusters = _StateOfTheWorld._fetch
+
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(CLUSTER_TYPE_URL, "cds", "fleet_xds", registry)
 
@@ -176,39 +185,16 @@ class ClusterDiscovery(_StateOfTheWorld, cds_pb2_grpc.ClusterDiscoveryServiceSer
         """Serve ``clusters`` (rendered dicts) as ``version`` from now on, to every stream."""
         self._publish(version, cluster_resources(clusters))
 
-    async def StreamClusters(
-        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: Any
-    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
-        # An async generator, as grpc.aio runs a streaming handler; closed with this one.
-        async with contextlib.aclosing(self._stream(request_iterator)) as stream:
-            async for response in stream:
-                yield response
-
-    async def FetchClusters(
-        self, request: discovery_pb2.DiscoveryRequest, context: Any
-    ) -> discovery_pb2.DiscoveryResponse:
-        return self._response
-
 
 class EndpointDiscovery(_StateOfTheWorld, eds_pb2_grpc.EndpointDiscoveryServiceServicer):  # type: ignore[misc]
     """The pool's endpoints. Every stream gets every assignment (the pool's, when the fleet
     uses the pool): Envoy takes the ones its clusters asked for."""
+
+    StreamEndpoints = _StateOfTheWorld._serve
+    FetchEndpoints = _StateOfTheWorld._fetch
 
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(ENDPOINTS_TYPE_URL, "eds", "fleet_eds", registry)
 
     def publish(self, version: str, assignments: Sequence[dict[str, Any]]) -> None:
         self._publish(version, endpoint_resources(assignments))
-
-    async def StreamEndpoints(
-        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: Any
-    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
-        # An async generator, as grpc.aio runs a streaming handler; closed with this one.
-        async with contextlib.aclosing(self._stream(request_iterator)) as stream:
-            async for response in stream:
-                yield response
-
-    async def FetchEndpoints(
-        self, request: discovery_pb2.DiscoveryRequest, context: Any
-    ) -> discovery_pb2.DiscoveryResponse:
-        return self._response

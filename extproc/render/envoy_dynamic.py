@@ -41,21 +41,27 @@ def endpoints_path(cds_path: str | Path) -> Path:
     return path.with_name(f"{path.stem}.endpoints{path.suffix}")
 
 
-def _eds_source(source: PoolEndpoints, cds_path: str) -> Json:
-    if source == "file":
-        return {
-            "resource_api_version": "V3",
-            "path_config_source": {"path": str(endpoints_path(cds_path))},
-        }
+def processor_source() -> Json:
+    """An xDS config source on the processor's own gRPC port (the static extproc cluster)."""
     return {
         "resource_api_version": "V3",
         "api_config_source": {
             "api_type": "GRPC",
             "transport_api_version": "V3",
             "grpc_services": [{"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}}],
+            # The node identity once per stream, not on every ACK.
             "set_node_on_first_message_only": True,
         },
     }
+
+
+def _eds_source(source: PoolEndpoints, cds_path: str) -> Json:
+    if source == "file":
+        return {
+            "resource_api_version": "V3",
+            "path_config_source": {"path": str(endpoints_path(cds_path))},
+        }
+    return processor_source()
 
 
 def _is_eds_pool(runtime: Runtime, cluster: Json) -> bool:

@@ -14,26 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 from extproc.config.runtime import Runtime
-from extproc.render.envoy import EXTPROC_CLUSTER, EnvoyOptions
-from extproc.render.envoy_dynamic import split_bootstrap
+from extproc.render.envoy import EnvoyOptions
+from extproc.render.envoy_dynamic import processor_source, split_bootstrap
 
 Json = dict[str, Any]
 
 
 def xds_bootstrap(runtime: Runtime, opts: EnvoyOptions | None = None) -> Json:
     bootstrap, _cds = split_bootstrap(runtime, "/dev/null", opts, pool="grpc")
-    bootstrap["dynamic_resources"] = {
-        "cds_config": {
-            "resource_api_version": "V3",
-            "api_config_source": {
-                "api_type": "GRPC",
-                "transport_api_version": "V3",
-                "grpc_services": [{"envoy_grpc": {"cluster_name": EXTPROC_CLUSTER}}],
-                # The node identity once per stream, not on every ACK.
-                "set_node_on_first_message_only": True,
-            },
-        }
-    }
+    bootstrap["dynamic_resources"] = {"cds_config": processor_source()}
     return bootstrap
 
 
