@@ -11,9 +11,15 @@ sidecar's NIXL v2 sequence:
    null, remote_block_ids: null, remote_host: null, remote_port: null}``, ``stream: false``,
    no ``stream_options``, and every token limit of the API set to 1 (chat: ``max_tokens`` and
    ``max_completion_tokens``);
-2. a prefiller that cannot be reached is answered ``502`` with an empty body (Go's reverse
-   proxy), a non-2xx prefill answer is passed back with its status and body, as the sidecar
-   does; nothing has been generated then;
+2. a failed prefill is handled as the sidecar does since llm-d-inference-scheduler PR #652
+   (``shouldFallbackToDecode`` in pkg/sidecar/proxy/proxy_helpers.go): a client error
+   (400-451) from the prefiller is passed back with its status, headers and body, and nothing
+   is generated; any other failure (a prefiller that cannot be reached, which Go's reverse
+   proxy turns into a 502, a 5xx, a connection dropped mid-prefill) falls back to decode-only:
+   the original request goes to the local engine, which prefills it itself (colocated; the
+   response then has no ``x-prefilled-by``). The client sees a normal answer, so a prefiller
+   dying under load fails no request, and no request is generated twice (the fallback is the
+   request's only generation; the prefill leg asked for one token and its answer is dropped);
 3. otherwise the original request (stream and limits restored) goes to the local engine with
    the prefiller's ``kv_transfer_params``: the engine pulls the KV blocks it lacks from
    ``remote_host:remote_port``, which takes KV bytes / the link bandwidth of the pair's
@@ -71,6 +77,9 @@ SIM_RELATION_HEADER = "x-sim-kv-relation"
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 # The APIs llm-d's sidecar disaggregates; anything else goes to the local engine untouched.
 SIDECAR_APIS: frozenset[ApiKind] = frozenset({"openai-chat", "openai-completions"})
+# Prefill answers the sidecar passes back to the client instead of falling back to decode-only
+# (Go's http.StatusBadRequest .. http.StatusUnavailableForLegalReasons).
+CLIENT_ERRORS = (400, 451)
 # Headers the sidecar's cloned request must not carry over (hop-by-hop or re-computed).
 _DROP = frozenset({"host", "content-length", "transfer-encoding", "connection", PREFILLER_HEADER})
 
@@ -203,6 +212,8 @@ class PdSimCluster(SimCluster):
         headers["x-request-id"] = str(uuid.uuid4())
         if self._client is None:
             self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        answered: dict[str, str] = {}
+        prefilled_by = prefiller
         try:
             async with self._client.post(
                 f"http://{prefiller}{request.path}",
@@ -210,16 +221,24 @@ class PdSimCluster(SimCluster):
                 headers=headers,
             ) as answer:
                 status, data = answer.status, await answer.read()
+                answered = dict(answer.headers)
                 prefilled_by = answer.headers.get("x-served-by", prefiller)
                 # The prefiller's own simulated TTFT (queue + compute): the prefill leg in
                 # simulated time, free of this machine's HTTP overhead.
                 prefill_ms = float(answer.headers.get(SIM_TTFT_HEADER, "0") or 0)
         except (aiohttp.ClientError, OSError):
-            # Go's httputil.ReverseProxy answers a dial/transport error with an empty 502.
-            self.metrics.requests.labels(api=api, code="prefill_unreachable").inc()
-            return web.Response(status=502)
+            # Go's httputil.ReverseProxy answers a dial/transport error (or a connection
+            # dropped mid-prefill) with a 502: not a client error, so decode-only below.
+            status, data = 502, b""
         if not 200 <= status < 300:
-            return web.Response(status=status, body=data)
+            if CLIENT_ERRORS[0] <= status <= CLIENT_ERRORS[1]:
+                # The request itself was refused (the same request would fail on decode too):
+                # the sidecar copies the prefiller's answer, headers included.
+                passed = {k: v for k, v in answered.items() if k.lower() not in _DROP}
+                passed.update({"x-served-by": self.config.name, PREFILLED_BY: prefilled_by})
+                return web.Response(status=status, body=data, headers=passed)
+            self.metrics.requests.labels(api=api, code="prefill_fallback").inc()
+            return await super()._serve(request, api)
         try:
             params = orjson.loads(data).get(KV_TRANSFER_PARAMS) or {}
             parsed = self._parse(api, await request.read())

@@ -140,7 +140,7 @@ class Service:
         self.health = health.aio.HealthServicer()
         self.endpoint_health: EndpointHealth | None = None
         # Endpoint picking and probe_clusters need every endpoint's readiness; so does P/D,
-        # whose prefill choice skips dead prefillers (the decode-side sidecar answers 502).
+        # whose prefill choice skips dead prefillers (the sidecar would fall back to decode-only).
         if (
             runtime.endpoint_picker
             or runtime.config.processor.probe_clusters

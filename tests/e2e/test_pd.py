@@ -22,6 +22,7 @@ import orjson
 import pytest
 
 from extproc.config import load_runtime
+from extproc.core.pd import COLOCATED
 from extproc.harness.launch import FleetStack, http_get, wait_until
 from extproc.harness.sim_pd import PREFILLED_BY, SIM_RELATION_HEADER, SIM_TRANSFER_HEADER
 from tests.e2e.conftest import MakeClient, dump_logs
@@ -190,12 +191,11 @@ def test_the_prefill_budget_answers_429_with_hints_and_leaves_decode_alone(
     assert results == [200] * 4
 
 
-def test_a_prefill_endpoint_killed_under_load(
+def test_a_prefill_endpoint_killed_under_load_fails_no_request(
     pd_fleet: FleetStack, make_client: MakeClient
 ) -> None:
     on_c1 = sessions_on(pd_fleet, "c1", 6)
     statuses: collections.Counter[int] = collections.Counter()
-    failed_at: list[float] = []
     prefilled: list[tuple[float, str]] = []
     stop = threading.Event()
 
@@ -209,10 +209,9 @@ def test_a_prefill_endpoint_killed_under_load(
                     CHAT, body(long_text(sid, turn % 3)), {"x-session-id": sid}
                 )
                 statuses[status] += 1
-                if status != 200:
-                    failed_at.append(started)
                 if status == 200:
-                    prefilled.append((time.monotonic(), hdrs[PREFILLED_BY]))
+                    # No x-prefilled-by: the sidecar fell back to decode-only.
+                    prefilled.append((started, hdrs.get(PREFILLED_BY, COLOCATED)))
             turn += 1
 
     threads = [threading.Thread(target=load, args=(on_c1[i::2],)) for i in range(2)]
@@ -225,7 +224,7 @@ def test_a_prefill_endpoint_killed_under_load(
         # The processor's prober (1 s rounds) sees c3 gone; from then on prefill moves to c4,
         # the other prefill cluster of c1's island.
         wait_until(
-            lambda: sum(1 for t, p in prefilled if t > killed_at + 3 and p == "c4") >= 30,
+            lambda: sum(1 for t, p in prefilled if t > killed_at + DETECTION_S and p == "c4") >= 30,
             30,
             "prefill moved to c4",
         )
@@ -233,17 +232,17 @@ def test_a_prefill_endpoint_killed_under_load(
         stop.set()
         for t in threads:
             t.join(30)
-    after = [p for t, p in prefilled if t > killed_at + 3]
+    # Requests the sidecar sent to c3 before the processor knew it was gone: llm-d's sidecar
+    # falls back to decode-only when the prefill call fails with anything but a client error
+    # (a dial error is its reverse proxy's 502), so the decode engine prefills them itself:
+    # one generation each, and the client sees a normal answer.
+    assert dict(statuses) == {200: sum(statuses.values())}, statuses
+    after = [p for t, p in prefilled if t > killed_at + DETECTION_S]
     assert after and set(after) == {"c4"}, collections.Counter(after)
-    # Requests the sidecar sent to c3 before the processor knew it was gone get the sidecar's
-    # 502 (nothing generated; Envoy must not retry it: a 502 from a decode pod can also be its
-    # engine dying mid-generation). The first 502 response marks c3 down in the processor
-    # (response phase, before the client sees it), so each sequential client fails at most
-    # once, and none after the prober's round (1 s, 0.5 s timeout) has seen c3 down either.
-    assert set(statuses) <= {200, 502}, statuses
-    assert statuses[502] <= len(threads), statuses
-    assert all(t < killed_at + DETECTION_S for t in failed_at), (killed_at, failed_at)
-    print(f"prefill kill under load: {dict(statuses)}")
+    # Decode-only answers only for requests sent before the prober's round saw c3 down.
+    fell_back = [t for t, p in prefilled if p == COLOCATED]
+    assert all(t < killed_at + DETECTION_S for t in fell_back), (killed_at, fell_back)
+    print(f"prefill kill under load: {dict(statuses)}, decode-only fallbacks: {len(fell_back)}")
     pd_fleet.restart_sim("c3")
 
 

@@ -151,18 +151,56 @@ async def test_a_second_turn_transfers_only_what_decode_lacks(
     assert float(second[SIM_TRANSFER_HEADER]) < float(first[SIM_TRANSFER_HEADER]) / 10
 
 
-async def test_an_unreachable_prefiller_is_an_empty_502_and_nothing_generated(
+async def test_an_unreachable_prefiller_falls_back_to_decode_only_with_one_generation(
     fleet: dict[str, RunningSimCluster],
 ) -> None:
+    # llm-d's sidecar (shouldFallbackToDecode, since llm-d-inference-scheduler PR #652): a
+    # prefill failure that is not a client error sends the original request to the local
+    # engine, which prefills it itself. (Before #652 the client got the proxy's empty 502.)
     dead = fleet["far"]
     await dead.close()
-    status, _, raw = await post(
+    status, headers, raw = await post(
         f"{fleet['decode'].url}/v1/chat/completions",
         chat("hello"),
         {PREFILLER_HEADER: addr(dead), "x-request-id": "lost"},
     )
-    assert (status, raw) == (502, b"")
-    assert fleet["decode"].cluster.executions["lost"] == 0
+    assert status == 200, raw
+    assert headers["x-served-by"] == "d1" and PREFILLED_BY not in headers
+    assert orjson.loads(raw)["choices"][0]["message"]["content"]
+    assert fleet["decode"].cluster.executions["lost"] == 1
+
+
+async def fault(sim: RunningSimCluster, payload: dict[str, Any]) -> None:
+    status, _, raw = await post(f"{sim.url}/admin/fault", payload)
+    assert status == 200, raw
+
+
+@pytest.mark.parametrize("code", [500, 503])
+async def test_a_prefiller_server_error_falls_back_to_decode_only(
+    fleet: dict[str, RunningSimCluster], code: int
+) -> None:
+    await fault(fleet["near"], {"mode": "error", "status": code})
+    status, headers, _ = await post(
+        f"{fleet['decode'].url}/v1/chat/completions",
+        chat("hello"),
+        {PREFILLER_HEADER: addr(fleet["near"]), "x-request-id": f"e{code}"},
+    )
+    assert status == 200 and PREFILLED_BY not in headers
+    assert fleet["decode"].cluster.executions[f"e{code}"] == 1
+
+
+async def test_a_prefiller_client_error_is_passed_back_and_nothing_generated(
+    fleet: dict[str, RunningSimCluster],
+) -> None:
+    await fault(fleet["near"], {"mode": "error", "status": 429})
+    status, headers, raw = await post(
+        f"{fleet['decode'].url}/v1/chat/completions",
+        chat("hello"),
+        {PREFILLER_HEADER: addr(fleet["near"]), "x-request-id": "refused"},
+    )
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == 429
+    assert headers[PREFILLED_BY] == "p-near"
+    assert fleet["decode"].cluster.executions["refused"] == 0
 
 
 async def test_without_the_header_decode_prefills_itself(
