@@ -87,7 +87,7 @@ def test_the_pool_takes_its_endpoints_from_the_eds_file_beside_the_cds_file(
     assert pool["name"] == "all_clusters" and pool["type"] == "EDS"
     assert "load_assignment" not in pool
     source = pool["eds_cluster_config"]["eds_config"]["path_config_source"]["path"]
-    assert source == str(endpoints_path(path)) and source.endswith("cds.endpoints.yaml")
+    assert source == str(endpoints_path(path)) and source.endswith("cds.endpoints.json")
     # Health checks and outlier detection stay on the (per host) pool cluster.
     assert pool["health_checks"] and pool["outlier_detection"]
     assert localities(endpoints_path(path)) == {f"c{i}": 2 for i in range(40)}
