@@ -53,8 +53,8 @@ from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.reliability.probes import rss_bytes
 from extproc.render.envoy import FALLBACK_CLUSTER, EnvoyOptions
 from extproc.render.envoy_dynamic import (
-    ENDPOINTS_TYPE,
     PoolEndpoints,
+    endpoints_doc,
     endpoints_path,
     pool_endpoints,
     split_bootstrap,
@@ -183,14 +183,7 @@ def render(runtime: Runtime, design: Design, workdir: Path) -> Rendered:
                 check["interval"] = FIRST_POOL_HEALTH_CHECK_INTERVAL
                 check["no_traffic_interval"] = FIRST_POOL_HEALTH_CHECK_INTERVAL
     assignments = pool_endpoints(runtime, opts) if design == "pool" else []
-    eds = b""
-    if assignments:
-        eds = orjson.dumps(
-            {
-                "version_info": runtime.version,
-                "resources": [{"@type": ENDPOINTS_TYPE, **a} for a in assignments],
-            }
-        )
+    eds = orjson.dumps(endpoints_doc(runtime.version, assignments)) if assignments else b""
     return Rendered(orjson.dumps(bootstrap), orjson.dumps(cds), eds, len(cds["resources"]))
 
 

@@ -144,7 +144,7 @@ def union_endpoints(old: Runtime, new: Runtime, opts: EnvoyOptions | None = None
     return fresh
 
 
-def _endpoints_doc(version: str, assignments: list[Json]) -> Json:
+def endpoints_doc(version: str, assignments: list[Json]) -> Json:
     return {
         "version_info": version,
         "resources": [{"@type": ENDPOINTS_TYPE, **a} for a in assignments],
@@ -167,7 +167,7 @@ def write_atomically(path: str | Path, text: str) -> None:
 def _write_endpoints(cds_path: str, version: str, assignments: list[Json]) -> None:
     """The EDS file goes first: a pool cluster the CDS file creates finds its endpoints."""
     if assignments:
-        doc = _endpoints_doc(version, assignments)
+        doc = endpoints_doc(version, assignments)
         write_atomically(endpoints_path(cds_path), orjson.dumps(doc).decode())
 
 
