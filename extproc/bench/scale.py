@@ -445,7 +445,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.envoy_only:
         decisions = [measure_decisions(n, deciders, args.requests, clock) for n in args.sizes]
         print(
-            "Decision time (µs per call; placement: equal weights; decide(): 8 endpoints/cluster)"
+            f"Decision time (µs per call, {'CPU time' if args.cpu_time else 'wall clock'};"
+            " placement: equal weights; decide(): 8 endpoints/cluster)"
         )
         print(decision_table(decisions, deciders), flush=True)
     envoy_rows: list[EnvoyRow] = []
@@ -472,6 +473,7 @@ def run(args: argparse.Namespace) -> int:
         Path(args.out).write_text(
             json.dumps(
                 {
+                    "decision_clock": "cpu" if args.cpu_time else "wall",
                     "decisions": [asdict(r) for r in decisions],
                     "envoy": [asdict(r) for r in envoy_rows],
                 },
