@@ -168,24 +168,40 @@ class Metrics:
             ["cluster"],
             registry=registry,
         )
+        # model: the canonical model when fleet.yaml names it (its clusters' models or the
+        # models[] section), "other" for one only discovery found, "" in a model-agnostic
+        # fleet: bounded by the config, whatever names clients or endpoints send.
         self.cost_dollars = Counter(
             "fleet_token_cost_dollars",
-            "Cost of the reported tokens at the configured prices (prices: section).",
-            ["cluster"],
+            "Cost of the reported tokens at the configured prices (prices: section, or the"
+            " model's own in models[]), by cluster and model.",
+            ["cluster", "model"],
             registry=registry,
         )
         self.cache_savings_dollars = Counter(
             "fleet_cache_savings_dollars",
-            "What prefix-cache hits saved against paying every input token uncached.",
-            ["cluster"],
+            "What prefix-cache hits saved against paying every input token uncached, by"
+            " cluster and model.",
+            ["cluster", "model"],
             registry=registry,
         )
         # Engine level (issue 22): requests by the engine the processor named (endpoint-picker
-        # mode); usage by the host Envoy says served (upstream.address, any mode), else the
-        # picker's choice.
+        # mode); responses and usage by the host Envoy says served (upstream.address, any
+        # mode), else the picker's choice.
         self.engine_requests = Counter(
             "fleet_engine_requests",
             "Routed requests by the engine (endpoint) the processor chose first.",
+            ["engine"],
+            registry=registry,
+        )
+        self.engine_served = Counter(
+            "fleet_engine_served_requests",
+            "Responses by the engine (host ip:port) Envoy says served them (its upstream.address"
+            " response attribute), in every mode: in route mode Envoy's Maglev chooses the"
+            " engine, so this is the processor's per-engine request count there. Counted when"
+            " the processor reads response headers (affinity, usage inspection or a class"
+            " budget on); otherwise Envoy's own per-host counters (admin /clusters) are the"
+            " count.",
             ["engine"],
             registry=registry,
         )
@@ -203,8 +219,8 @@ class Metrics:
         )
         self.engine_cost_dollars = Counter(
             "fleet_engine_token_cost_dollars",
-            "Cost of the reported tokens at the configured prices, by engine.",
-            ["engine"],
+            "Cost of the reported tokens at the configured prices, by engine and model.",
+            ["engine", "model"],
             registry=registry,
         )
         self.usage_missing = Counter(

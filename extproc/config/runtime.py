@@ -32,6 +32,7 @@ from extproc.core.models import (
     ServedModel,
     build_catalog,
     candidates,
+    loaded_engines,
     with_discovered,
 )
 from extproc.core.pd import (
@@ -80,6 +81,14 @@ class Runtime:
     prices: Prices = field(default_factory=Prices)
     # Per canonical model where fleet.yaml's models[] sets prices; others use ``prices``.
     model_prices: Mapping[str, Prices] = field(default_factory=lambda: MappingProxyType({}))
+    # The canonical models fleet.yaml names (not discovery's additions): the values the cost
+    # metrics' model label may take (model_label).
+    configured_models: frozenset[str] = frozenset()
+    # LoRA adapter -> the endpoints listing it at /v1/models (model discovery): the engines it
+    # is loaded on, preferred where the processor names the engine (core.endpoints).
+    adapter_engines: Mapping[str, frozenset[str]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
     endpoint_picker: bool = False  # processor.mode, auto resolved (picks_endpoints)
     # Engine choice inside a cluster (fleet.yaml engines; extproc.core.endpoints).
     engines: EngineChoice = field(default_factory=EngineChoice)
@@ -107,6 +116,14 @@ class Runtime:
     @property
     def cluster_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.clusters)
+
+    def model_label(self, model: str) -> str:
+        """The cost metrics' model label: the canonical model when fleet.yaml names it,
+        "other" for a model only discovery found (endpoints may list anything), "" in a
+        model-agnostic fleet. Bounded by the config."""
+        if not model or model in self.configured_models:
+            return model
+        return "other"
 
     @property
     def response_phases(self) -> bool:
@@ -203,6 +220,7 @@ def compile_runtime(
         model_prices=MappingProxyType(
             {m.name: _prices(m.prices) for m in cfg.models if m.prices is not None}
         ),
+        configured_models=frozenset(catalog.models),
         endpoint_picker=picks_endpoints(cfg.processor, len(clusters)),
         engines=EngineChoice(
             sticky=cfg.engines.affinity == "sticky",
@@ -273,10 +291,13 @@ def compile_catalog(cfg: FleetConfig) -> Catalog:
 Discovered = Mapping[str, frozenset[tuple[str, str | None]]]
 
 
-def with_discovered_models(runtime: Runtime, discovered: Discovered) -> Runtime:
+def with_discovered_models(
+    runtime: Runtime, discovered: Discovered, by_endpoint: Discovered | None = None
+) -> Runtime:
     """The runtime with what the endpoints' /v1/models list added to its clusters' models
     (fleet.yaml's list is the floor; extproc.core.models.with_discovered). Recomputed from the
-    config each time, so it may be applied to a runtime that already had discoveries."""
+    config each time, so it may be applied to a runtime that already had discoveries.
+    ``by_endpoint``: the same lists per endpoint, for the engines each adapter is loaded on."""
     cfg = runtime.config
     if not cfg.model_routing.discovery:
         return runtime
@@ -293,6 +314,7 @@ def with_discovered_models(runtime: Runtime, discovered: Discovered) -> Runtime:
         policy=dataclasses.replace(
             policy, models=catalog, model_placers=placers, model_classes=classes
         ),
+        adapter_engines=loaded_engines(catalog, by_endpoint or {}),
     )
 
 

@@ -16,7 +16,12 @@ properties repeat one level down:
   c, no engine takes a request while it holds more than ⌈c · (in flight + 1) / M⌉; a session
   whose engine is full goes to its runner-up, so the spill is itself sticky and stays in the
   cluster (another engine of the same cluster is as cold as one of another cluster, and the
-  cluster's budget and failover plan still hold).
+  cluster's budget and failover plan still hold);
+- LoRA adapters (issue 23): a request for an adapter prefers the engines where it is loaded
+  (``preferred``, from the endpoints' own model lists): the session's rendezvous order over
+  those first, then over the rest, with the same bounded load over all of them, so an
+  adapter's sessions share its loaded engines until they are full instead of making every
+  engine load it (an engine holds only a few adapters at once: vLLM's ``max_loras``).
 
 The in-flight counts are what the caller saw (one processor replica's own requests): the bound
 holds per replica, and with R replicas behind one balancer the fleet-wide excess is at most R·c.
@@ -97,16 +102,20 @@ def pick_engine(
     inflight: Mapping[str, int] | None = None,
     balance: float | None = None,
     min_inflight: int = 1,
+    preferred: Collection[str] = (),
 ) -> str | None:
     """The engine of one cluster that serves this session now, None when none is ready.
 
     Without ``inflight``/``balance`` the choice is the first ready endpoint in the session's
     rendezvous order. With both, the first ready one whose load is under :func:`engine_cap`
-    (``min_inflight`` its floor).
+    (``min_inflight`` its floor). ``preferred`` endpoints (an adapter's loaded engines) come
+    first in that order, each group in rendezvous order.
     """
     order = [e for e in endpoint_order(point, endpoints) if e in ready]
     if not order:
         return None
+    if preferred:
+        order = [e for e in order if e in preferred] + [e for e in order if e not in preferred]
     if inflight is None or balance is None or len(order) == 1:
         return order[0]
     cap = engine_cap(sum(inflight.get(e, 0) for e in order), len(order), balance, min_inflight)
@@ -125,6 +134,7 @@ def pick_endpoints(
     inflight: Mapping[str, int] | None = None,
     balance: float | None = None,
     min_inflight: int = 1,
+    preferred: Collection[str] = (),
 ) -> list[str]:
     """Up to ``count`` ready endpoints from distinct clusters, in preference order: the
     primary's engine first, then the secondary's (the fallback Envoy tries on retry), each
@@ -132,7 +142,7 @@ def pick_endpoints(
     picked: list[str] = []
     for cluster in ranked_clusters:
         engine = pick_engine(
-            point, endpoints.get(cluster, ()), ready, inflight, balance, min_inflight
+            point, endpoints.get(cluster, ()), ready, inflight, balance, min_inflight, preferred
         )
         if engine is not None:
             picked.append(engine)

@@ -141,6 +141,22 @@ def with_discovered(
     return out
 
 
+def loaded_engines(
+    catalog: Catalog, listed: Mapping[str, Iterable[tuple[str, str | None]]]
+) -> Mapping[str, frozenset[str]]:
+    """Adapter (canonical name) -> the endpoints whose own model list names it: where it is
+    loaded now, preferred inside a cluster (core.endpoints.pick_engine). ``listed``: each
+    endpoint's ``(id, parent)`` pairs (model discovery); names resolve by ``catalog`` (the one
+    with the discoveries, so an adapter only discovery knows counts too)."""
+    out: dict[str, set[str]] = {}
+    for endpoint, pairs in listed.items():
+        for name, _parent in pairs:
+            model = catalog.resolve(name)
+            if model is not None and model.base is not None:
+                out.setdefault(model.name, set()).add(endpoint)
+    return MappingProxyType({name: frozenset(eps) for name, eps in out.items()})
+
+
 def _add(items: list[str], item: str) -> None:
     if item not in items:
         items.append(item)

@@ -46,6 +46,8 @@ class ModelDiscovery:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self.failures = 0  # endpoint reads that failed, since start (for tests and logs)
+        # Each endpoint's own list at the last poll: where each LoRA adapter is loaded.
+        self.by_endpoint: Discovered = {}
 
     async def _read(self, endpoint: str) -> Listed:
         if self._session is None:
@@ -69,6 +71,7 @@ class ModelDiscovery:
         found: dict[str, set[tuple[str, str | None]]] = {c: set() for c in endpoints}
         for (cluster, _), listed in zip(pairs, lists, strict=True):
             found[cluster] |= listed
+        self.by_endpoint = {e: listed for (_, e), listed in zip(pairs, lists, strict=True)}
         return {c: frozenset(v) for c, v in found.items()}
 
     async def close(self) -> None:

@@ -749,6 +749,9 @@ class Pipeline:
             self._engine_draws += 1
             point = mix64(point ^ self._engine_draws)
 
+        # A LoRA adapter: the engines that list it loaded first (core.endpoints.pick_engine).
+        loaded = runtime.adapter_engines.get(route.model, ()) if route.model else ()
+
         def pick(clusters: list[str]) -> list[str]:
             return pick_endpoints(
                 point,
@@ -759,6 +762,7 @@ class Pipeline:
                 self._engine_inflight,
                 engines.balance,
                 engines.min_inflight,
+                loaded,
             )
 
         picked = pick(head)
@@ -825,6 +829,11 @@ class Pipeline:
         if served_by not in runtime.cluster_names:
             served_by = None  # not one of ours (or absent): credit the cluster we chose
         hold.served_by = served_by
+        # The engine: Envoy's serving host (route mode: its Maglev chose it), else the picker's.
+        engine = envoy_address or hold.engine
+        if engine is not None and hold.usage_engine is None:
+            hold.usage_engine = engine
+            self._metrics.engine_served.labels(engine).inc()
         chosen = hold.routed_to
         if chosen is not None and not hold.reported:
             hold.reported = True
@@ -835,8 +844,6 @@ class Pipeline:
             return False
         if served_by is not None:
             hold.usage_cluster = served_by
-        # The engine: Envoy's serving host (route mode: its Maglev chose it), else the picker's.
-        hold.usage_engine = envoy_address or hold.engine
         if found.get("content-type", "").startswith("text/event-stream"):
             hold.usage_scanner = SseUsageScanner(hold.api)
             return True
@@ -890,15 +897,16 @@ class Pipeline:
         m.upstream_output_tokens.labels(cluster).inc(usage.output_tokens)
         runtime = self._runtime.current
         prices = runtime.model_prices.get(model, runtime.prices)
-        m.cost_dollars.labels(cluster).inc(prices.cost(usage))
-        m.cache_savings_dollars.labels(cluster).inc(prices.saved(usage))
+        label = runtime.model_label(model)
+        m.cost_dollars.labels(cluster, label).inc(prices.cost(usage))
+        m.cache_savings_dollars.labels(cluster, label).inc(prices.saved(usage))
         if engine is not None:
             m.engine_input_tokens.labels(engine, "hit").inc(usage.cached_tokens)
             m.engine_input_tokens.labels(engine, "miss").inc(
                 max(0, usage.prompt_tokens - usage.cached_tokens)
             )
             m.engine_output_tokens.labels(engine).inc(usage.output_tokens)
-            m.engine_cost_dollars.labels(engine).inc(prices.cost(usage))
+            m.engine_cost_dollars.labels(engine, label).inc(prices.cost(usage))
 
     async def charge_served(self, hold: Hold) -> None:
         """Move the budget charge to the cluster that serves the request, when Envoy failed it

@@ -619,7 +619,9 @@ def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
             ],
         },
         "http_filters": filters,
-        "local_reply_config": local_reply_config(),
+        "local_reply_config": local_reply_config(
+            runtime.config.model_routing.unavailable_retry_after_s
+        ),
     }
     if opts.access_log_path:
         hcm["access_log"] = _access_log(opts.access_log_path)

@@ -13,9 +13,13 @@ Without this, a request Envoy refuses before the processor decides anything gets
   a stream idle timeout (SI), a downstream protocol error (DPE).
 
 The mapper selects those by response flag, by codec details, or by "no request headers at
-all", so the
-processor's own immediate responses (no flag, a ``:path``; already JSON in the API's format)
-pass through untouched. One body shape serves both APIs: OpenAI's ``{"error": {"message",
+all", so the processor's own immediate responses (no flag, a ``:path``; already JSON in the
+API's format) pass through untouched. A 503 of no reachable upstream (UH, UF, UO, URX: every
+engine of the request's clusters down, unreachable or full, e.g. all of a model's clusters
+down before any probe or reload has taken them out) also gets a ``retry-after`` header, the
+same hint as the processor's own 503 for a model with nowhere to go
+(``model_routing.unavailable_retry_after_s``): the SDKs honour it when they retry. One body
+shape serves both APIs: OpenAI's ``{"error": {"message",
 "type", "code"}}`` plus Anthropic's top-level ``"type": "error"`` (Anthropic's error object has
 the same ``type`` and ``message``), because a codec error has no path to choose a shape by.
 """
@@ -43,8 +47,30 @@ ERROR_SHAPE = {
 }
 
 
-def local_reply_config() -> dict[str, Any]:
+# Envoy's 503s that say no upstream could take the request now (none healthy, connection
+# refused, circuit breaker full, retries spent): worth a retry after a while. Not UC or UT (an
+# upstream that had the request: a retry may generate twice, the client decides unprompted).
+NO_UPSTREAM_FLAGS = ("UH", "UF", "UO", "URX")
+
+
+def local_reply_config(retry_after_s: int = 5) -> dict[str, Any]:
     by_flag = {"response_flag_filter": {"flags": list(ENVOY_REPLY_FLAGS)}}
+    no_upstream = {
+        "and_filter": {
+            "filters": [
+                {
+                    "status_code_filter": {
+                        "comparison": {
+                            "op": "EQ",
+                            "value": {"default_value": 503, "runtime_key": "fleet.local_503"},
+                        }
+                    }
+                },
+                {"response_flag_filter": {"flags": list(NO_UPSTREAM_FLAGS)}},
+            ]
+        }
+    }
+    json_body = {"json_format": ERROR_SHAPE, "content_type": "application/json"}
     codec_error = {
         "and_filter": {
             "filters": [
@@ -76,14 +102,22 @@ def local_reply_config() -> dict[str, Any]:
             },
         }
     }
+    # The first mapper whose filter matches applies: the retry hint's before the general one.
     return {
         "mappers": [
             {
+                "filter": no_upstream,
+                "headers_to_add": [
+                    {
+                        "header": {"key": "retry-after", "value": str(retry_after_s)},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    }
+                ],
+                "body_format_override": json_body,
+            },
+            {
                 "filter": {"or_filter": {"filters": [by_flag, codec_error, codec_details]}},
-                "body_format_override": {
-                    "json_format": ERROR_SHAPE,
-                    "content_type": "application/json",
-                },
-            }
+                "body_format_override": json_body,
+            },
         ]
     }

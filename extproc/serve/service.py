@@ -126,6 +126,7 @@ class Service:
         self.chains = ChainSketch(runtime.key_rules.chain)
         # Models the endpoints list (model_routing.discovery), added to every runtime's own.
         self.discovered: Discovered = {}
+        self.discovered_engines: Discovered = {}  # the same lists per endpoint
         self._base = runtime
         self.holder = RuntimeHolder(self._local_view(runtime))
         self._config_bytes = raw_config
@@ -171,7 +172,9 @@ class Service:
     def _local_view(self, runtime: Runtime) -> Runtime:
         """Every runtime keys sessions through this process's chain sketch. (Budgets are never
         split between workers: several workers need the shared ledger, see workers_problem.)"""
-        return with_discovered_models(with_sketch(runtime, self.chains), self.discovered)
+        return with_discovered_models(
+            with_sketch(runtime, self.chains), self.discovered, self.discovered_engines
+        )
 
     async def _discover_models(self) -> None:
         """model_routing.discovery: re-read the endpoints' model lists on the interval and
@@ -182,8 +185,10 @@ class Service:
                 routing = self._base.config.model_routing
                 if routing.discovery:
                     found = await discovery.poll(self._base.endpoints)
-                    if found != self.discovered:
+                    engines = discovery.by_endpoint
+                    if found != self.discovered or engines != self.discovered_engines:
                         self.discovered = found
+                        self.discovered_engines = engines
                         self.pipeline.use(self._local_view(self._base))
                         self.gate.publish_limits(self.holder.current)
                         log.info(

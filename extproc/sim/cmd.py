@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import TextIO
 
+from extproc.core.endpoints import DEFAULT_BALANCE, DEFAULT_MIN_INFLIGHT
 from extproc.core.fleet import Budget
 from extproc.harness.layouts import LAYOUTS
 from extproc.sim.engine import run_all
@@ -146,6 +147,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " rendezvous with bounded load), or requests go round robin over them",
     )
 
+    fleet.add_argument(
+        "--engine-spill",
+        choices=["within", "leave", "none"],
+        default="within",
+        help="sticky engines: a session whose engine is over its bounded-load cap goes to its"
+        " runner-up engine in the same cluster (within, the processor's rule), to its"
+        " secondary cluster (leave), or stays and queues (none)",
+    )
+
+    fleet.add_argument(
+        "--engine-balance",
+        type=float,
+        default=DEFAULT_BALANCE,
+        help="the engine bound's balance factor c: an engine is full above ceil(c x (cluster"
+        " in flight + 1) / engines) (fleet.yaml engines.balance_factor)",
+    )
+    fleet.add_argument(
+        "--engine-min-inflight",
+        type=int,
+        default=DEFAULT_MIN_INFLIGHT,
+        help="the engine bound's floor: never full below this many in flight"
+        " (fleet.yaml engines.min_inflight)",
+    )
+
     script = parser.add_argument_group("events and bursts")
     script.add_argument(
         "--event",
@@ -269,6 +294,9 @@ def run(args: argparse.Namespace) -> int:
         max_retries=args.max_retries,
         seed=args.seed,
         sticky_engines=args.engine_affinity == "sticky",
+        engine_spill=args.engine_spill,
+        engine_balance=args.engine_balance,
+        engine_min_inflight=args.engine_min_inflight,
         memory_limit_bytes=(
             int(args.memory_limit_gb * 2**30) if args.memory_limit_gb is not None else None
         ),

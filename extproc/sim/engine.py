@@ -34,12 +34,13 @@ import numpy.typing as npt
 
 from extproc.core.admission import Demand, Reject, Ticket, plan, queued_wait, verdict
 from extproc.core.decide import Route
+from extproc.core.endpoints import DEFAULT_BALANCE, DEFAULT_MIN_INFLIGHT
 from extproc.core.fleet import RequestClass
 from extproc.core.flow import FairQueue, QueueVerdict, WaitPolicy, queue_decision
 from extproc.core.placement import Placement
 from extproc.ledger.memory import MemoryLedger
 from extproc.pipeline.admission import admit_first_fit
-from extproc.sim.engines import cluster_state
+from extproc.sim.engines import EngineCluster, EngineSpill, cluster_state
 from extproc.sim.events import Event, Kind, validate
 from extproc.sim.model import ClusterSpec
 from extproc.sim.policies import FleetView, make_policy
@@ -148,6 +149,11 @@ class SimConfig:
     # Clusters of several engines: each session sticks to one (the processor's choice), or
     # requests go round robin over them (Envoy's default inside a cluster).
     sticky_engines: bool = True
+    # A sticky session whose engine is over its bounded-load cap (sim/engines.py EngineSpill).
+    engine_spill: EngineSpill = "within"
+    # Its bound: core.endpoints.engine_cap's balance factor and floor (fleet.yaml engines).
+    engine_balance: float = DEFAULT_BALANCE
+    engine_min_inflight: int = DEFAULT_MIN_INFLIGHT
     # Per class, for the policies that wait (Policy.waits): how long and how many may wait.
     waits: Mapping[str, WaitPolicy] = field(default_factory=default_waits)
 
@@ -199,7 +205,15 @@ def run_policy(
 
     n_clusters = len(specs)
     sticky = config.sticky_engines
-    states = [cluster_state(spec, block, sticky=sticky) for spec in specs]
+    engine_spill = config.engine_spill
+    bound = (config.engine_balance, config.engine_min_inflight)
+    states = [
+        cluster_state(
+            spec, block, sticky=sticky, spill=engine_spill, balance=bound[0], floor=bound[1]
+        )
+        for spec in specs
+    ]
+    leaves = engine_spill == "leave" and sticky
     member = [i < scenario.n_base for i in range(n_clusters)]
     alive = list(member)
     table = scenario.tables.tables[0]
@@ -274,7 +288,7 @@ def run_policy(
                 failures[crash_ix[c]].recovered_at = now
         else:
             if ev.kind is Kind.ADD:
-                states[c] = cluster_state(specs[c], block, now, sticky)
+                states[c] = cluster_state(specs[c], block, now, sticky, engine_spill, *bound)
             member[c] = alive[c] = ev.kind is Kind.ADD
             tab = scenario.tables.tables[scenario.epoch_after[ev_no]]
             view.table = tab
@@ -383,6 +397,16 @@ def run_policy(
         # A list, not a tuple: serve() only indexes and slices it, and building a tuple
         # would cost a second pass.
         keys: Sequence[int] = [k + off for k in t_keys[tp]] if off else t_keys[tp]
+        if leaves and points is not None:
+            state = states[serve_c]
+            other = view.secondary[s] if serve_c == view.primary[s] else view.primary[s]
+            if (
+                isinstance(state, EngineCluster)
+                and other >= 0
+                and alive[other]
+                and state.home_full(points[s], now)
+            ):
+                serve_c = other  # the charge stays where admission put it
         got, first, done = states[serve_c].serve(
             keys, t_in[tp], t_out[tp], now, points[s] if points is not None else 0
         )

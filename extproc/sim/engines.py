@@ -14,9 +14,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Literal
 
-from extproc.core.endpoints import DEFAULT_BALANCE, DEFAULT_MIN_INFLIGHT, pick_engine
+from extproc.core.endpoints import (
+    DEFAULT_BALANCE,
+    DEFAULT_MIN_INFLIGHT,
+    endpoint_order,
+    engine_cap,
+    pick_engine,
+)
 from extproc.sim.model import ClusterSpec, ClusterState
+
+# Where a session goes when its engine is over the bounded-load cap (issue 22's engine-level
+# load rule, compared side by side by `extproc simulate --engine-spill`):
+# - within: to its runner-up engine of the same cluster (core.endpoints.pick_engine; the rule);
+# - leave: to its secondary cluster (its engine there by the same rendezvous), as if another
+#   cluster were the better place for a request its own engine cannot take now;
+# - none: it stays on its engine and queues there (sticky, no bound).
+EngineSpill = Literal["within", "leave", "none"]
+ENGINE_SPILLS: tuple[EngineSpill, ...] = ("within", "leave", "none")
 
 
 def engine_spec(spec: ClusterSpec, index: int) -> ClusterSpec:
@@ -36,7 +52,7 @@ def engine_spec(spec: ClusterSpec, index: int) -> ClusterSpec:
 class EngineCluster(ClusterState):
     """A cluster of ``spec.engines`` engines; the ClusterState interface over all of them."""
 
-    __slots__ = ("balance", "engine_names", "engines", "sticky", "turn")
+    __slots__ = ("balance", "bound", "engine_names", "engines", "floor", "sticky", "turn")
 
     def __init__(
         self,
@@ -45,6 +61,8 @@ class EngineCluster(ClusterState):
         now: float = -math.inf,
         sticky: bool = True,
         balance: float | None = DEFAULT_BALANCE,
+        floor: int = DEFAULT_MIN_INFLIGHT,
+        bound: float = DEFAULT_BALANCE,
     ) -> None:
         super().__init__(spec, block_tokens, now)
         self.engines = [
@@ -52,7 +70,9 @@ class EngineCluster(ClusterState):
         ]
         self.engine_names = [e.spec.name for e in self.engines]
         self.sticky = sticky
-        self.balance = balance
+        self.balance = balance  # the engine choice's own bound (None: none)
+        self.floor = floor
+        self.bound = bound  # home_full's (the leave rule)
         self.turn = 0
 
     def choose(self, point: int, now: float) -> int:
@@ -63,10 +83,20 @@ class EngineCluster(ClusterState):
             name: e.inflight(now) for name, e in zip(self.engine_names, self.engines, strict=True)
         }
         chosen = pick_engine(
-            point, self.engine_names, self.engine_names, load, self.balance, DEFAULT_MIN_INFLIGHT
+            point, self.engine_names, self.engine_names, load, self.balance, self.floor
         )
         assert chosen is not None
         return self.engine_names.index(chosen)
+
+    def home_full(self, point: int, now: float) -> bool:
+        """Whether the session's own engine (its rendezvous first) is at the bounded-load cap
+        the ``within`` rule would spill at (core.endpoints.engine_cap)."""
+        if not self.sticky:
+            return False
+        home = endpoint_order(point, self.engine_names)[0]
+        loads = [e.inflight(now) for e in self.engines]
+        mine = loads[self.engine_names.index(home)]
+        return mine >= engine_cap(sum(loads), len(loads), self.bound, self.floor)
 
     def serve(
         self,
@@ -102,9 +132,17 @@ class EngineCluster(ClusterState):
 
 
 def cluster_state(
-    spec: ClusterSpec, block_tokens: int, now: float = -math.inf, sticky: bool = True
+    spec: ClusterSpec,
+    block_tokens: int,
+    now: float = -math.inf,
+    sticky: bool = True,
+    spill: EngineSpill = "within",
+    balance: float = DEFAULT_BALANCE,
+    floor: int = DEFAULT_MIN_INFLIGHT,
 ) -> ClusterState:
-    """The model of one cluster: a single cache, or one per engine when it has several."""
+    """The model of one cluster: a single cache, or one per engine when it has several. Only
+    ``within`` bounds the engine choice itself; ``leave`` is the engine loop's (home_full)."""
     if spec.engines <= 1:
         return ClusterState(spec, block_tokens, now)
-    return EngineCluster(spec, block_tokens, now, sticky)
+    own = balance if spill == "within" else None
+    return EngineCluster(spec, block_tokens, now, sticky, own, floor, balance)

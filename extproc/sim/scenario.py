@@ -11,11 +11,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from extproc.core.endpoints import DEFAULT_BALANCE, DEFAULT_MIN_INFLIGHT
 from extproc.core.fleet import Budget, RequestClass
 from extproc.harness.layouts import LayoutConfig, generate_layout
 from extproc.harness.trace import read_trace
 from extproc.harness.workload import WorkloadConfig, generate_workload
 from extproc.sim.engine import PolicyRun, Scenario, SimConfig, prepare, run_all
+from extproc.sim.engines import EngineSpill
 from extproc.sim.events import Event, default_events, parse_event
 from extproc.sim.model import FleetShape, build_fleet
 from extproc.sim.policies import POLICIES
@@ -60,6 +62,9 @@ class SimOptions:
     seed: int = 0
     # Clusters of several engines (shape.engines > 1): sessions stick to one engine, or not.
     sticky_engines: bool = True
+    engine_spill: EngineSpill = "within"
+    engine_balance: float = DEFAULT_BALANCE
+    engine_min_inflight: int = DEFAULT_MIN_INFLIGHT
     # Refuse up front when the estimated peak memory exceeds this (None: half of this
     # machine's physical memory); jobs = worker processes that each run policies.
     memory_limit_bytes: int | None = None
@@ -209,7 +214,14 @@ def build(options: SimOptions, base: BaseTraffic | None = None) -> Prepared:
         events = tuple(parse_event(e, period) for e in options.events)
     scenario = prepare(traffic, clusters, shape.clusters, events)
     config = SimConfig(
-        classes, options.max_retries, options.spill_wait_s, options.seed, options.sticky_engines
+        classes,
+        options.max_retries,
+        options.spill_wait_s,
+        options.seed,
+        options.sticky_engines,
+        options.engine_spill,
+        options.engine_balance,
+        options.engine_min_inflight,
     )
     # Bursts are windows of their own; an explicit window equal to one is reported once
     # (0.2T + 0.1T and 0.3T differ in the last bits, hence the rounding).

@@ -96,12 +96,15 @@ def _spread(engine_of: dict[str, str], stack: FleetStack) -> dict[str, float]:
 @pytest.fixture
 def engines3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
     # dynamic_cds: the processor rewrites Envoy's clusters on reload (an engine added).
+    # inspect_usage: the processor reads each response and counts it, its usage and cost by
+    # the engine Envoy names (upstream.address).
     stack = FleetStack(
         tmp_path_factory.mktemp("engines3"),
         clusters=2,
         engines=3,
         dynamic_cds=True,
         sim_start_timeout_s=60,  # six engine processes start at once
+        fleet_overrides={"processor": {"inspect_usage": True}},
     )
     with stack:
         yield stack
@@ -115,12 +118,36 @@ def test_route_mode_sessions_stick_to_one_engine_spread_fail_over_and_grow(
     _settle(stack, client)
 
     # A session's turns land on one engine.
+    counted_before = _per_engine(stack)
     turns: dict[str, list[str]] = collections.defaultdict(list)
     for _turn in range(TURNS):
         for i in range(STICKY_SESSIONS):
             turns[f"alice-{i}"].append(_send(stack, client, f"alice-{i}")[1])
     on_modal = sum(collections.Counter(t).most_common(1)[0][1] for t in turns.values())
     assert on_modal / (TURNS * STICKY_SESSIONS) >= 0.99, turns
+    # The processor counted each of those requests, and its usage and cost, on the engine
+    # that answered it (Envoy's Maglev chose the engine; Envoy told the processor which).
+    answered = collections.Counter(e for t in turns.values() for e in t)
+    expected = {stack.engine_address(e): n for e, n in answered.items()}
+
+    def counted() -> dict[str, dict[str, float]]:
+        now = _per_engine(stack)
+        return {
+            name: {a: v - counted_before[name].get(a, 0.0) for a, v in per.items()}
+            for name, per in now.items()
+        }
+
+    wait_until(
+        lambda: {a: v for a, v in counted()["requests"].items() if v} == expected,
+        10,
+        f"per-engine counts {counted()} to reach {expected}",
+        interval=0.2,
+    )
+    deltas = counted()
+    for address, n in expected.items():
+        # The simulated engine answers max_tokens (2) output tokens.
+        assert deltas["output_tokens"][address] == 2 * n, (address, deltas)
+        assert deltas["cost"][address] > 0, (address, deltas)
 
     # Sessions spread over a cluster's engines.
     sids = [f"s-{i}" for i in range(SESSIONS)]
@@ -193,6 +220,45 @@ def test_route_mode_sessions_stick_to_one_engine_spread_fail_over_and_grow(
     assert to_new >= 0.95 * len(moved), collections.Counter(moved.values())
     share = len(moved) / len(c1_sessions)
     assert 0.12 <= share <= 0.40, (share, len(c1_sessions))  # ≈ 1/4
+
+    # Every engine of c1 killed: its sessions fail over to their secondary, c2, without a
+    # failed request, and stick there too: c2's Maglev hashes the same engine key, so each
+    # session lands on one engine of c2, turn after turn, and they spread over c2's engines.
+    for engine in stack.engines_of("c1"):
+        stack.sims[engine].kill()
+    failed_over: dict[str, list[str]] = collections.defaultdict(list)
+    for _turn in range(3):
+        for sid in c1_sessions:
+            cluster, engine = _send(stack, client, sid)  # 200 (asserted in _send)
+            assert cluster == "c2", (sid, cluster)
+            failed_over[sid].append(engine)
+    stack.wait_healthy(stack.engines_of("c1"), healthy=False)
+    for sid in c1_sessions:
+        cluster, engine = _send(stack, client, sid)
+        assert cluster == "c2", (sid, cluster)
+        failed_over[sid].append(engine)
+    on_one = sum(collections.Counter(t).most_common(1)[0][1] for t in failed_over.values())
+    assert on_one / sum(map(len, failed_over.values())) >= 0.99, failed_over
+    on_secondary = collections.Counter(t[-1] for t in failed_over.values())
+    assert set(on_secondary) == set(stack.engines_of("c2")), on_secondary
+    mean = len(c1_sessions) / len(on_secondary)
+    assert max(on_secondary.values()) / mean <= 1.3, on_secondary
+
+
+def _per_engine(stack: FleetStack) -> dict[str, dict[str, float]]:
+    """The processor's per-engine counters, by engine address: served requests, output tokens,
+    cost (every model label summed)."""
+    names = {
+        "requests": "fleet_engine_served_requests_total",
+        "output_tokens": "fleet_engine_output_tokens_total",
+        "cost": "fleet_engine_token_cost_dollars_total",
+    }
+    out: dict[str, dict[str, float]] = {key: collections.Counter() for key in names}
+    for (name, labels), value in stack.processor_metrics().items():
+        for key, wanted in names.items():
+            if name == wanted:
+                out[key][dict(labels)["engine"]] += value
+    return out
 
 
 @pytest.fixture

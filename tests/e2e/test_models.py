@@ -167,6 +167,29 @@ def test_removing_the_last_cluster_of_a_model_gives_503(
     client = make_client(models_fleet.listener_port)
     headers = {"x-session-id": "last"}
     assert client.post_json(CHAT, body("tiny", 1, 0), headers)[0] == 200
+    # c4's engine dies, fleet.yaml unchanged and no probing (processor.probe_clusters off):
+    # the processor still places tiny on c4 and Envoy answers its own 503 (no upstream). It
+    # comes as a JSON error both SDKs read, with the same retry hint as the processor's 503.
+    models_fleet.sims["c4"].kill()
+    base = f"http://127.0.0.1:{models_fleet.listener_port}"
+    oai = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as down:
+        oai.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert down.value.status_code == 503
+    assert down.value.response.headers["retry-after"] == "5"
+    assert down.value.response.headers["content-type"] == "application/json"
+    error = orjson.loads(down.value.response.content)["error"]
+    assert error["type"] == "gateway_error" and error["message"], error
+    ant = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.InternalServerError) as ant_down:
+        ant.messages.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert ant_down.value.status_code == 503
+    assert ant_down.value.response.headers["retry-after"] == "5"
+    assert orjson.loads(ant_down.value.response.content)["type"] == "error"
     models_fleet.remove_cluster("c4")
 
     def tiny_refused() -> bool:

@@ -3,12 +3,14 @@ it back on release; route mode sends the engine key; explain names the engine.""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import orjson
 from prometheus_client import CollectorRegistry
 
 from extproc.config import compile_runtime, parse_config
+from extproc.config.runtime import with_discovered_models
 from extproc.core.endpoints import endpoint_order, engine_cap, engine_key
 from extproc.metrics import Metrics
 from extproc.pipeline.explain import explain_outcome
@@ -141,8 +143,49 @@ async def test_usage_is_counted_per_engine_envoy_names_the_serving_host() -> Non
     }
     await pipeline.observe_response_body(hold, orjson.dumps(usage), True, 1.2)
     value = registry.get_sample_value
+    # Route mode: the processor never named the engine; Envoy's word counts the request.
+    assert value("fleet_engine_requests_total", {"engine": served}) is None
+    assert value("fleet_engine_served_requests_total", {"engine": served}) == 1
     assert value("fleet_engine_input_tokens_total", {"engine": served, "cache": "hit"}) == 4
     assert value("fleet_engine_input_tokens_total", {"engine": served, "cache": "miss"}) == 6
     assert value("fleet_engine_output_tokens_total", {"engine": served}) == 3
-    cost = value("fleet_engine_token_cost_dollars_total", {"engine": served})
+    # A model-agnostic fleet: the model label is empty.
+    cost = value("fleet_engine_token_cost_dollars_total", {"engine": served, "model": ""})
     assert cost is not None and cost > 0
+
+
+async def test_picker_prefers_the_engines_an_adapter_is_loaded_on() -> None:
+    # Model discovery found the adapter "sql-lora" (of base "m") on one engine of c1 only.
+    data = {
+        **doc("endpoint_picker"),
+        "models": [{"name": "sql-lora", "base": "m"}],
+        "model_routing": {"discovery": True},
+    }
+    for cluster in data["clusters"]:
+        cluster["models"] = ["m"]
+    runtime = compile_runtime(parse_config(data))
+    loaded_on = "10.0.1.2:8000"
+    listed = {e: frozenset({("m", None)}) for c in runtime.endpoints.values() for e in c}
+    listed[loaded_on] = frozenset({("m", None), ("sql-lora", "m")})
+    clusters = {c: frozenset(("m", None) for _ in eps) for c, eps in runtime.endpoints.items()}
+    clusters["c1"] = frozenset({("m", None), ("sql-lora", "m")})
+    grown = with_discovered_models(runtime, clusters, listed)
+    assert grown.adapter_engines == {"sql-lora": frozenset({loaded_on})}
+    pipeline = Pipeline(RuntimeHolder(grown), Metrics(CollectorRegistry()))
+    lora = orjson.dumps({"model": "sql-lora", "messages": [{"role": "user", "content": "q"}]})
+    firsts: collections.Counter[str] = collections.Counter()
+    base_firsts: collections.Counter[str] = collections.Counter()
+    for i in range(40):
+        outcome = await pipeline.decide(headers(f"s-{i}"), lora, 1.0)
+        assert isinstance(outcome, Routed) and outcome.endpoints
+        # The adapter's loaded cluster first (core.models), then its loaded engine in it.
+        assert outcome.route.placement.primary == "c1"
+        firsts[outcome.endpoints[0]] += 1
+        await pipeline.release(outcome.hold)
+        base = await pipeline.decide(headers(f"s-{i}"), BODY, 1.0)
+        assert isinstance(base, Routed) and base.endpoints
+        base_firsts[base.endpoints[0]] += 1
+        await pipeline.release(base.hold)
+    assert firsts == {loaded_on: 40}, firsts
+    # The base model's requests are not drawn to it: they spread over all eight engines.
+    assert len(base_firsts) > 4, base_firsts

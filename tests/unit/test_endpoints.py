@@ -150,3 +150,50 @@ def test_pick_endpoints_primary_engine_then_secondary_engine_both_sticky() -> No
 def test_no_ready_engine_gives_none() -> None:
     assert pick_engine(1, engines(3), frozenset()) is None
     assert pick_endpoints(1, ["c1"], {"c1": engines(3)}, frozenset()) == []
+
+
+def test_an_adapters_sessions_prefer_its_loaded_engines_until_they_are_full() -> None:
+    eps = engines(4)
+    ready = frozenset(eps)
+    loaded = frozenset(eps[1:3])
+    # Lightly loaded: every session lands on a loaded engine, spread over both, each sticky.
+    chosen = [pick_engine(p, eps, ready, {}, 1.25, 4, loaded) for p in points()[:2_000]]
+    counts = Counter(chosen)
+    assert set(counts) == set(loaded), counts
+    assert max(counts.values()) / (len(chosen) / 2) < 1.1, counts
+    again = [pick_engine(p, eps, ready, {}, 1.25, 4, loaded) for p in points()[:2_000]]
+    assert again == chosen
+    # A session's own order within the loaded ones is its rendezvous order.
+    point = points()[9]
+    first_loaded = [e for e in endpoint_order(point, eps) if e in loaded]
+    assert pick_engine(point, eps, ready, None, None, 1, loaded) == first_loaded[0]
+    # Its loaded engines full (bounded load over all four): the next in its order, loaded
+    # ones first; one of them not ready: the other loaded one.
+    full = dict.fromkeys(loaded, 10)
+    unloaded = [e for e in endpoint_order(point, eps) if e not in loaded]
+    assert pick_engine(point, eps, ready, full, 1.25, 4, loaded) == unloaded[0]
+    assert (
+        pick_engine(point, eps, ready - {first_loaded[0]}, {}, 1.25, 4, loaded) == (first_loaded[1])
+    )
+    # No loaded engine ready: the plain rendezvous choice.
+    assert pick_engine(point, eps, ready - loaded, {}, 1.25, 4, loaded) == unloaded[0]
+    # pick_endpoints passes the preference to each cluster's choice.
+    both = {"c1": eps, "c2": engines(2, "c2")}
+    picked = pick_endpoints(
+        point, ["c1", "c2"], both, ready | set(both["c2"]), 2, {}, 1.25, 4, loaded
+    )
+    assert picked[0] == first_loaded[0]
+    assert picked[1] == endpoint_order(point, both["c2"])[0]
+
+
+def test_an_engine_signal_never_takes_a_session_out_of_its_cluster() -> None:
+    # The engine-level rule (SIMULATION.md "Engine-level spill"): a full engine spills to
+    # another engine of the same cluster; leaving the cluster is the cluster-level decision
+    # (core.affinity), not the engine choice's. Every engine of the primary far over any cap:
+    # the primary's engine still comes first, the secondary's second.
+    eps = {"c1": engines(3, "c1"), "c2": engines(3, "c2")}
+    ready = frozenset(e for es in eps.values() for e in es)
+    loads = dict.fromkeys(eps["c1"], 50)
+    for point in points()[:200]:
+        picked = pick_endpoints(point, ["c1", "c2"], eps, ready, 2, loads, 1.25, 4)
+        assert picked[0] in eps["c1"] and picked[1] in eps["c2"]

@@ -409,7 +409,7 @@ def test_a_models_prices_cost_its_usage_and_the_fleet_prices_are_the_default() -
         cluster = routed.route.placement.primary
         asyncio.run(pipeline.observe_response_body(routed.hold, usage, True, 0.0))
         costs[model] = registry.get_sample_value(
-            "fleet_token_cost_dollars_total", {"cluster": cluster}
+            "fleet_token_cost_dollars_total", {"cluster": cluster, "model": model}
         )
     # $ per million tokens: 1000 uncached input + 10 output.
     assert costs[BIG] == pytest.approx((1000 * 10 + 10 * 100) / 1e6)
@@ -441,6 +441,10 @@ def test_discovered_models_add_to_the_configured_floor() -> None:
     route = grown.policy.place(facts(grown, "new-model", "n"))
     assert not isinstance(route, (UnknownModel, ModelUnavailable))
     assert route.placement.primary == "c3"
+    # The cost metrics' model label: fleet.yaml's models by name, discovery's as "other"
+    # (an endpoint may list any number of names), the empty model as itself.
+    assert grown.model_label(BIG) == BIG and grown.model_label("sql-lora") == "other"
+    assert grown.model_label("new-model") == "other" and grown.model_label("") == ""
     # Applied again with nothing found: back to the configured lists exactly.
     assert with_discovered_models(grown, {}).policy.models == runtime.policy.models
     # Off: the runtime is returned untouched.
