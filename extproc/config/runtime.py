@@ -29,10 +29,12 @@ from extproc.core.load import LOAD_HEADERS
 from extproc.core.models import (
     Candidates,
     Catalog,
+    ModelPool,
     ServedModel,
     build_catalog,
     candidates,
     loaded_engines,
+    model_pools,
     with_discovered,
 )
 from extproc.core.pd import (
@@ -84,6 +86,10 @@ class Runtime:
     # The canonical models fleet.yaml names (not discovery's additions): the values the cost
     # metrics' model label may take (model_label).
     configured_models: frozenset[str] = frozenset()
+    # The pool data path, model-aware fleets: canonical model -> its base model's pool (an
+    # Envoy cluster of the model's endpoints), from fleet.yaml's lists only: discovery never
+    # changes what Envoy has (core.models.model_pools).
+    model_pools: Mapping[str, ModelPool] = field(default_factory=lambda: MappingProxyType({}))
     # LoRA adapter -> the endpoints listing it at /v1/models (model discovery): the engines it
     # is loaded on, preferred where the processor names the engine (core.endpoints).
     adapter_engines: Mapping[str, frozenset[str]] = field(
@@ -221,6 +227,7 @@ def compile_runtime(
             {m.name: _prices(m.prices) for m in cfg.models if m.prices is not None}
         ),
         configured_models=frozenset(catalog.models),
+        model_pools=model_pools(catalog),
         endpoint_picker=picks_endpoints(cfg.processor, len(clusters)),
         engines=EngineChoice(
             sticky=cfg.engines.affinity == "sticky",

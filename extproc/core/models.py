@@ -17,6 +17,8 @@ too when there are two.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -155,6 +157,39 @@ def loaded_engines(
             if model is not None and model.base is not None:
                 out.setdefault(model.name, set()).add(endpoint)
     return MappingProxyType({name: frozenset(eps) for name, eps in out.items()})
+
+
+# The pool data path's per-model Envoy clusters (render/envoy.py _model_pools). Fleet cluster
+# names are [a-z0-9-] and pair aggregates "<a>__<b>": a leading underscore cannot collide.
+MODEL_POOL_PREFIX = "_pool_"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPool:
+    """One base model's pool in the linear-scale design: its Envoy cluster and the fleet
+    clusters whose endpoints it holds."""
+
+    name: str
+    clusters: frozenset[str]
+
+
+def model_pool_name(model: str) -> str:
+    """The Envoy cluster name of a base model's pool: readable and unique (a hash of the full
+    name, since the slug folds characters Envoy's stat names should not carry)."""
+    slug = re.sub(r"[^A-Za-z0-9_-]", "_", model)[:40]
+    digest = hashlib.sha256(model.encode()).hexdigest()[:8]
+    return f"{MODEL_POOL_PREFIX}{slug}_{digest}"
+
+
+def model_pools(catalog: Catalog) -> Mapping[str, ModelPool]:
+    """Canonical model -> its pool: a base model's own, an adapter its base's (one pool per
+    base model, as the Inference Extension's InferencePool). Models with no cluster have none."""
+    out: dict[str, ModelPool] = {}
+    for model in catalog.models.values():
+        base = model.base or model.name
+        if model.clusters:
+            out[model.name] = ModelPool(model_pool_name(base), frozenset(model.clusters))
+    return MappingProxyType(out)
 
 
 def _add(items: list[str], item: str) -> None:

@@ -112,7 +112,10 @@ def explain_engine(runtime: Runtime, outcome: Routed) -> dict[str, object]:
     if outcome.endpoints is not None:  # endpoint-picker mode: the processor chose
         chosen = outcome.endpoints[0] if outcome.endpoints else None
         by = "processor rendezvous" if runtime.engines.sticky else "processor, drawn per request"
-        return {"chosen_by": by, "engine": chosen, "cluster_engines": engines}
+        out: dict[str, object] = {"chosen_by": by, "engine": chosen, "cluster_engines": engines}
+        if outcome.pool is not None:
+            out["pool"] = outcome.pool  # the model's own Envoy pool (x-fleet-route)
+        return out
     if outcome.engine_key is not None:
         return {
             "chosen_by": f"envoy {runtime.config.engines.envoy_policy}",

@@ -105,6 +105,9 @@ class Routed:
     prefill: PrefillChoice | None = None
     # Route mode with sticky engines: x-fleet-engine-key, what Envoy's ring hash reads.
     engine_key: str | None = None
+    # The pool data path in a model-aware fleet: the model's own pool (an Envoy cluster of its
+    # endpoints) that the endpoints are tried in; None: the pool of every endpoint.
+    pool: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

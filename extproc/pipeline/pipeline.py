@@ -449,8 +449,31 @@ class Pipeline:
                 },
             )
         return Routed(
-            facts, route, kind, hold, endpoints, prefill, self._engine_key(runtime, facts)
+            facts,
+            route,
+            kind,
+            hold,
+            endpoints,
+            prefill,
+            self._engine_key(runtime, facts),
+            self._model_pool(runtime, route, endpoints),
         )
+
+    def _model_pool(
+        self, runtime: Runtime, route: Route, endpoints: tuple[str, ...] | None
+    ) -> str | None:
+        """The pool data path, model-aware fleets: the model's own pool when it holds every
+        endpoint to try (a cluster only discovery added to the model is in no rendered pool:
+        then the pool of every endpoint, where override_host finds them all)."""
+        if not endpoints or not route.model:
+            return None
+        pool = runtime.model_pools.get(route.model)
+        if pool is None:
+            return None
+        owners = self.endpoint_owners()
+        if all(owners.get(e) in pool.clusters for e in endpoints):
+            return pool.name
+        return None
 
     @staticmethod
     def _engine_key(runtime: Runtime, facts: RequestFacts) -> str | None:

@@ -224,15 +224,21 @@ def endpoint_response(
     endpoints: Sequence[str],
     prefiller: str | None = None,
     skip_body: processing_mode_pb2.ProcessingMode | None = None,
+    pool: str | None = None,
 ) -> ep.ProcessingResponse:
     """Answer in endpoint-picker mode: the primary's endpoint, then the fallback (to the body
     message, or with ``skip_body`` to the headers message, as :meth:`RouteAnswers.route`).
 
-    No clear_route_cache: the route (to the pool) is fixed; only the host choice changes.
+    Without ``pool`` no clear_route_cache: the route (to the pool of every endpoint) is fixed;
+    only the host choice changes. With ``pool`` (a model's own pool, model-aware fleets) the
+    route header names it and clear_route_cache makes Envoy re-pick the route, as in route
+    mode: the pool route (``x-fleet-route`` starting ``_pool_``) sends it there.
     """
     value = ",".join(endpoints)
-    common = ep.CommonResponse()
+    common = ep.CommonResponse(clear_route_cache=pool is not None)
     sets = common.header_mutation.set_headers
+    if pool is not None:
+        sets.append(_set(ROUTE_HEADER, pool))
     sets.append(_set(DESTINATION_HEADER, value))
     sets.append(_set(PRIMARY_HEADER, route.placement.primary))
     sets.append(_set(CLASS_HEADER, route.request_class.name))

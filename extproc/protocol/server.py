@@ -275,7 +275,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     "no_ready_endpoint",
                 )
             return responses.endpoint_response(
-                outcome.route, outcome.facts, outcome.endpoints, prefiller, skip_body
+                outcome.route, outcome.facts, outcome.endpoints, prefiller, skip_body, outcome.pool
             )
         if isinstance(outcome, Rejected):
             return responses.reject_response(

@@ -18,6 +18,7 @@ that benchmarks compare like with like:
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import itertools
 import math
@@ -26,6 +27,7 @@ from typing import Any, Literal
 
 from extproc.config.runtime import Runtime
 from extproc.core.fleet import Cluster
+from extproc.core.models import MODEL_POOL_PREFIX
 from extproc.names import (
     BUFFER_HEADROOM,
     ENGINE_KEY_HEADER,
@@ -257,11 +259,22 @@ def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     if opts.mode == "ring_hash":
         header = runtime.config.session.header or "x-session-id"
         fallback["route"]["hash_policy"] = [{"header": {"header_name": header}}]
-    if opts.mode != "extproc" or runtime.config.processor.mode == "endpoint_picker":
+    if opts.mode != "extproc":
+        return [fallback]
+    # The pool data path of a model-aware fleet may name a model's own pool (_model_pools).
+    # The listener is not reloaded: a fleet made model-aware by a reload gets this route (and
+    # its pools' route) only when Envoy's bootstrap is rendered again; until then a pool name
+    # the processor sets is ignored (endpoint_picker: one route) or routes by_header (auto).
+    pools = (
+        [_model_pool_route(runtime, timers)]
+        if _may_pick_endpoints(runtime) and runtime.model_pools
+        else []
+    )
+    if runtime.config.processor.mode == "endpoint_picker":
         # Endpoint-picker mode routes everything to the pool; the picker chooses the host.
         # (auto keeps the header route too, so a reload that crosses the crossover changes
         # only the CDS clusters, never the listener.)
-        return [fallback]
+        return [*pools, fallback]
     by_header = {
         "match": {"prefix": "/", "headers": [{"name": ROUTE_HEADER, "present_match": True}]},
         "route": {
@@ -271,7 +284,51 @@ def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
             **_engine_hash_policy(runtime),
         },
     }
-    return [by_header, fallback]
+    return [*pools, by_header, fallback]
+
+
+def _model_pool_route(runtime: Runtime, timers: Json) -> Json:
+    """A model's own pool (x-fleet-route set to its name by the processor, which only ever
+    names a rendered pool): the pool's retry policy (the next picked host), not the pairs'
+    (previous_priorities would leave a one-priority pool no host on the retry)."""
+    return {
+        "match": {
+            "prefix": "/",
+            "headers": [
+                {"name": ROUTE_HEADER, "string_match": {"prefix": MODEL_POOL_PREFIX}},
+            ],
+        },
+        "route": {
+            "cluster_header": ROUTE_HEADER,
+            **timers,
+            "retry_policy": _fallback_retry_policy(runtime),
+        },
+    }
+
+
+def _model_pools(runtime: Runtime, pool: Json) -> list[Json]:
+    """The pool data path in a model-aware fleet: one more pool per base model, the same
+    cluster as the pool of every endpoint (override_host, health checks, per-endpoint stats)
+    with only the localities of the clusters serving the model. The processor routes a
+    request to its model's pool, so a host choice that falls back (no picked host usable)
+    stays among engines that serve the model, and Envoy's stats count each model apart. The
+    pool of every endpoint stays for fail-open. An endpoint serving k models is health-checked
+    by k + 1 clusters."""
+    out: list[Json] = []
+    seen: set[str] = set()
+    for model_pool in runtime.model_pools.values():
+        if model_pool.name in seen:
+            continue  # an adapter shares its base's pool
+        seen.add(model_pool.name)
+        cluster = copy.deepcopy(pool)
+        cluster["name"] = model_pool.name
+        assignment = cluster["load_assignment"]
+        assignment["cluster_name"] = model_pool.name
+        assignment["endpoints"] = [
+            e for e in assignment["endpoints"] if e["locality"]["sub_zone"] in model_pool.clusters
+        ]
+        out.append(cluster)
+    return out
 
 
 def _sticky_engines(runtime: Runtime, opts: EnvoyOptions) -> bool:
@@ -631,7 +688,8 @@ def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
 def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     if opts.mode == "extproc" and _picks_endpoints(runtime):
         # The pool data path: no per-cluster clusters and no pairs; nothing routes to them.
-        return [_pool(runtime, opts), _extproc_cluster(runtime, opts)]
+        pool = _pool(runtime, opts)
+        return [pool, *_model_pools(runtime, pool), _extproc_cluster(runtime, opts)]
     clusters: list[Cluster] = list(runtime.clusters)
     out = [_inference_cluster(c.name, list(c.endpoints), c.health_path, opts) for c in clusters]
     if _sticky_engines(runtime, opts):

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from extproc.config import load_runtime
-from extproc.harness.launch import Client, FleetStack, wait_until
+from extproc.harness.launch import Client, FleetStack, SimSpec, wait_until
 from extproc.harness.sim_cluster import SERVED_BY, SERVED_BY_ENGINE
 from tests.e2e.conftest import MakeClient, dump_logs
 from tests.e2e.predict import placement_for
@@ -312,3 +312,57 @@ def test_picker_mode_sessions_stick_and_an_engine_down_moves_each_to_one_engine(
             else:
                 assert engine == before[sid], (sid, before[sid], engine)
     assert len(set(now.values())) == 2, collections.Counter(now.values())
+
+
+@pytest.fixture
+def lora_picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    # Two clusters of two engines serving "m"; "sql-lora" is a declared adapter of "m" that
+    # no engine has loaded at start. Model discovery reads every engine's /v1/models.
+    stack = FleetStack(
+        tmp_path_factory.mktemp("lora"),
+        clusters=2,
+        engines=2,
+        cluster_models={"c1": ["m"], "c2": ["m"]},
+        fleet_overrides={
+            "processor": {"mode": "endpoint_picker"},
+            "models": [{"name": "sql-lora", "base": "m"}],
+            "model_routing": {"discovery": True, "discovery_interval_s": 0.5},
+        },
+        sim_start_timeout_s=60,
+    )
+    with stack:
+        yield stack
+
+
+def test_picker_sends_an_adapters_sessions_to_the_engine_it_is_loaded_on(
+    lora_picker: FleetStack, make_client: MakeClient
+) -> None:
+    stack = lora_picker
+    client = make_client(stack.listener_port)
+    # c2's second engine loads the adapter (its model list now names it, as vLLM's does).
+    loaded = "c2-e2"
+    spec = stack.sim_specs[loaded]
+    stack.sim_specs[loaded] = SimSpec(
+        loaded, spec.port, (*spec.args[:-1], "m,sql-lora"), cluster=spec.cluster
+    )
+    stack.restart_sim(loaded)
+
+    def lora(sid: str) -> tuple[int, str]:
+        doc = {"model": "sql-lora", "messages": [{"role": "user", "content": sid}], "max_tokens": 2}
+        status, hdrs, _ = client.post_json(CHAT, orjson.dumps(doc), {"x-session-id": sid})
+        return status, hdrs.get(SERVED_BY_ENGINE, "")
+
+    probes = [f"probe-{i}" for i in range(6)]
+    wait_until(
+        lambda: all(lora(sid) == (200, loaded) for sid in probes),
+        30,
+        f"discovery of the adapter on {loaded}:\n{dump_logs(stack)}",
+        interval=0.3,
+    )
+    # Every session of the adapter, turn after turn, on the engine it is loaded on; the base
+    # model's sessions still spread over all four engines.
+    for _turn in range(2):
+        for i in range(20):
+            assert lora(f"l-{i}") == (200, loaded)
+    base = collections.Counter(_send(stack, client, f"b-{i}")[1] for i in range(40))
+    assert len(base) == 4, base

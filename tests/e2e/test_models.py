@@ -5,7 +5,8 @@ SDKs and on plain HTTP.
 c1, c2 serve "big" (alias "big-latest"); c3 serves "big" and "small"; c4 serves "small" and
 "tiny", so c4 is tiny's only cluster. "huge" is declared fleet-wide but no cluster serves it.
 Model discovery is on: c2 later starts serving "extra", which fleet.yaml does not list. The last
-test removes c4, so it runs last.
+test removes c4, so it runs last. The first test runs its own fleet in the pool data path
+(endpoint-picker mode), where each model has its own Envoy pool.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import orjson
 import pytest
 
 from extproc.config import load_runtime
+from extproc.core.models import model_pool_name
 from extproc.harness.launch import FleetStack, SimSpec, wait_until
 from tests.e2e.conftest import MakeClient, dump_logs
 from tests.e2e.predict import placement_for
@@ -56,8 +58,56 @@ def body(model: str, session: int, turn: int) -> bytes:
     return orjson.dumps({"model": model, "messages": messages, "max_tokens": 2})
 
 
+def sdk_clients(stack: FleetStack) -> tuple[openai.OpenAI, anthropic.Anthropic]:
+    """The official SDKs pointed at the stack's Envoy, without their own retries."""
+    base = f"http://127.0.0.1:{stack.listener_port}"
+    return (
+        openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0),
+        anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0),
+    )
+
+
 def serving_clusters(model: str) -> set[str]:
     return {name for name, models in SERVING.items() if model in models}
+
+
+@pytest.fixture
+def pooled_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    # The linear-scale (pool) data path: the processor names the endpoints, and in a
+    # model-aware fleet routes each request to its model's own pool.
+    stack = FleetStack(
+        tmp_path_factory.mktemp("pooled-models"),
+        clusters=3,
+        cluster_models={"c1": ["big"], "c2": ["big"], "c3": ["small"]},
+        fleet_overrides={"processor": {"mode": "endpoint_picker"}},
+    )
+    with stack:
+        yield stack
+
+
+def test_pool_mode_routes_each_model_through_its_own_pool(
+    pooled_models: FleetStack, make_client: MakeClient
+) -> None:
+    stack = pooled_models
+    client = make_client(stack.listener_port)
+    pools = {m: model_pool_name(m) for m in ("big", "small")}
+
+    def sent_to(pool: str) -> int:
+        return stack.envoy_stat(f"cluster.{pool}.upstream_rq_total")
+
+    before = {m: sent_to(p) for m, p in pools.items()}
+    everyone = stack.envoy_stat("cluster.all_clusters.upstream_rq_total")
+    counts: collections.Counter[str] = collections.Counter()
+    for session in range(12):
+        for model in ("big", "small"):
+            status, hdrs, data = client.post_json(CHAT, body(model, session, 0))
+            assert status == 200, (model, data, dump_logs(stack))
+            assert hdrs["x-served-by"] in {"big": {"c1", "c2"}, "small": {"c3"}}[model]
+            counts[model] += 1
+    # Envoy counted every request in its model's pool, none in the pool of every endpoint.
+    for model, pool in pools.items():
+        assert sent_to(pool) - before[model] == counts[model], (model, pool)
+    assert stack.envoy_stat("cluster.all_clusters.upstream_rq_total") == everyone
 
 
 def test_every_request_lands_on_a_cluster_serving_its_model_and_sticks(
@@ -88,8 +138,7 @@ def test_every_request_lands_on_a_cluster_serving_its_model_and_sticks(
 
 
 def test_an_unknown_model_gets_404_in_each_apis_format(models_fleet: FleetStack) -> None:
-    base = f"http://127.0.0.1:{models_fleet.listener_port}"
-    oai = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    oai, ant = sdk_clients(models_fleet)
     with pytest.raises(openai.NotFoundError) as found:
         oai.chat.completions.create(
             model="gpt-nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2
@@ -102,7 +151,6 @@ def test_an_unknown_model_gets_404_in_each_apis_format(models_fleet: FleetStack)
         "param": "model",
         "code": "model_not_found",
     }
-    ant = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
     with pytest.raises(anthropic.NotFoundError) as missing:
         ant.messages.create(
             model="claude-nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2
@@ -115,13 +163,11 @@ def test_an_unknown_model_gets_404_in_each_apis_format(models_fleet: FleetStack)
 
 
 def test_v1_models_lists_the_union_of_the_fleet(models_fleet: FleetStack) -> None:
-    base = f"http://127.0.0.1:{models_fleet.listener_port}"
-    oai = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    oai, ant = sdk_clients(models_fleet)
     listed = {m.id: m for m in oai.models.list()}
     # Not "huge": declared, but no cluster serves it.
     assert sorted(listed) == ["big", "big-latest", "small", "tiny"]
     assert oai.models.retrieve("small").id == "small"
-    ant = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
     assert sorted(m.id for m in ant.models.list()) == ["big", "big-latest", "small", "tiny"]
 
 
@@ -171,8 +217,7 @@ def test_removing_the_last_cluster_of_a_model_gives_503(
     # the processor still places tiny on c4 and Envoy answers its own 503 (no upstream). It
     # comes as a JSON error both SDKs read, with the same retry hint as the processor's 503.
     models_fleet.sims["c4"].kill()
-    base = f"http://127.0.0.1:{models_fleet.listener_port}"
-    oai = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    oai, ant = sdk_clients(models_fleet)
     with pytest.raises(openai.InternalServerError) as down:
         oai.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
@@ -182,7 +227,6 @@ def test_removing_the_last_cluster_of_a_model_gives_503(
     assert down.value.response.headers["content-type"] == "application/json"
     error = orjson.loads(down.value.response.content)["error"]
     assert error["type"] == "gateway_error" and error["message"], error
-    ant = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
     with pytest.raises(anthropic.InternalServerError) as ant_down:
         ant.messages.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
