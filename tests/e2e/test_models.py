@@ -46,6 +46,7 @@ def models_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStac
             "models": [{"name": "huge"}, {"name": "tiny"}],
             "model_routing": {"discovery": True, "discovery_interval_s": 0.5},
         },
+        sim_start_timeout_s=60,  # four engine processes start at once (20 s missed at load 33)
     )
     with stack:
         yield stack
@@ -80,6 +81,7 @@ def pooled_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetSta
         clusters=3,
         cluster_models={"c1": ["big"], "c2": ["big"], "c3": ["small"]},
         fleet_overrides={"processor": {"mode": "endpoint_picker"}},
+        sim_start_timeout_s=60,
     )
     with stack:
         yield stack
