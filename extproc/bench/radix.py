@@ -177,24 +177,55 @@ def _judge(
     )
 
 
+def bounded_placement(
+    points: Sequence[int], placer: Rendezvous, clusters: int, bound: float
+) -> list[str]:
+    """Consistent hashing with bounded loads (Mirrokni et al.) for *new* keys only: a key seen
+    for the first time goes to the first cluster in its hash order whose request count stays
+    within ``bound`` x the mean so far; every later request of the key follows that choice
+    (remembered, as the processor's override store would)."""
+    chosen: dict[int, str] = {}
+    load: Counter[str] = Counter()
+    placed = []
+    for i, point in enumerate(points):
+        cluster = chosen.get(point)
+        if cluster is None:
+            limit = bound * (i + 1) / clusters
+            ranked = placer.ranked(point)
+            cluster = next((c for c in ranked if load[c] + 1 <= limit), ranked[0])
+            chosen[point] = cluster
+        load[cluster] += 1
+        placed.append(cluster)
+    return placed
+
+
 def compare(
-    requests: Sequence[ReplayRequest], clusters: int, nested_share: float = 0.4
+    requests: Sequence[ReplayRequest],
+    clusters: int,
+    nested_share: float = 0.4,
+    bound: float = 1.1,
 ) -> list[OfflineRow]:
     """The chain key, the old opening key, per-conversation hashing and the radix router on the
-    same requests in arrival order. ``nested_share``: the chain key's prefix.nested_share."""
+    same requests in arrival order. ``nested_share``: the chain key's prefix.nested_share;
+    ``bound``: the chain key's keys placed with bounded loads (:func:`bounded_placement`)."""
     names = [f"c{i}" for i in range(1, clusters + 1)]
     placer = Rendezvous.of([(n, 1.0) for n in names])
     rows = []
     chain = ChainParams(clusters=clusters, nested_share=nested_share)
     for key in ("chain", "opening"):
         rules = KeyRules(prefix_key=key, sketch=ChainSketch(chain))
-        placed = []
+        points = []
         for request in requests:
             body = orjson.dumps(request.materialize())
             facts = parse_request(request.path, JSON_HEADERS, body, rules, ParseLimits())
             assert isinstance(facts, RequestFacts), facts
-            placed.append(placer.ranked(facts.session.point)[0])
+            points.append(facts.session.point)
+        placed = [placer.ranked(point)[0] for point in points]
         rows.append(_judge(f"{key} key", requests, placed, clusters))
+        if key == "chain":
+            placed = bounded_placement(points, placer, clusters, bound)
+            label = f"chain key, new keys bounded at {bound:g}x mean"
+            rows.append(_judge(label, requests, placed, clusters))
     rng = random.Random(1)
     per_conv: dict[str, str] = {}
     placed = [per_conv.setdefault(r.session_id or "", rng.choice(names)) for r in requests]
@@ -212,7 +243,11 @@ def compare(
 
 
 def offline_table(
-    layouts: Sequence[str], config: LayoutConfig, clusters: int, nested_share: float = 0.4
+    layouts: Sequence[str],
+    config: LayoutConfig,
+    clusters: int,
+    nested_share: float = 0.4,
+    bound: float = 1.1,
 ) -> str:
     lines = [
         "| layout | router | hit ÷ ideal | max/mean | later turns on first cluster |",
@@ -220,7 +255,7 @@ def offline_table(
     ]
     for layout in layouts:
         requests = generate_layout(dataclasses.replace(config, layout=layout))
-        for row in compare(requests, clusters, nested_share):
+        for row in compare(requests, clusters, nested_share, bound):
             lines.append(
                 f"| {layout} | {row.router} | {row.hit_vs_ideal:.3f} | {row.max_mean:.3f} | "
                 f"{row.later_on_first:.3f} |"

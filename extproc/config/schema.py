@@ -310,6 +310,11 @@ class AffinityConfig(Strict):
     hot_key_spread: int = Field(default=3, ge=2)
     hot_key_min_requests: float = Field(default=20.0, ge=1)
     hot_key_half_life_s: float = Field(default=10.0, gt=0)
+    # Bounded-load placement of new sessions (0: off): a new session starts on the first
+    # candidate in hash order whose recent requests (decayed, half-life balance_half_life_s)
+    # stay within balance_factor x the mean; its later turns follow (remembered like a spill).
+    balance_factor: float = Field(default=0.0, ge=0)
+    balance_half_life_s: float = Field(default=60.0, gt=0)
     # Response header naming the cluster that served (the simulated cluster sends it). With
     # it, a load report is credited to the right cluster and a failover is seen; without it
     # reports are credited to the cluster the processor chose.

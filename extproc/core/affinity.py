@@ -15,7 +15,12 @@ Cluster states, judged from the snapshot at ``now``:
   anyway, so the caches a session would stay for are already going;
 - *saturated*: more requests in flight than ``saturation_factor`` x the mean over the session's
   candidates (and at least ``min_inflight``, so one request on an idle fleet is not "load");
-- *has room*: healthy, not pressured, not saturated.
+- *over its share* (only with ``balance_factor`` > 0): one more request would take the cluster's
+  recent requests (a decayed count of what this processor placed there, half-life
+  ``balance_half_life_s``) above ``balance_factor`` x the mean over the session's candidates
+  (consistent hashing with bounded loads, Mirrokni et al.). Each replica bounds what it places
+  itself, so the fleet's sum is bounded too;
+- *has room*: healthy, not pressured, not saturated, not over its share.
 
 A report older than ``signal_max_age_s`` counts as no report: a cluster that went quiet is
 judged by in-flight counts alone, so a pressure reading cannot exile it forever.
@@ -41,9 +46,12 @@ The rules, first match wins:
    in hash order with room (else the first healthy one that is not pressured). That costs one
    re-prefill, which the shell counts; the target is remembered so later turns follow.
 4. **New session**: the hash primary when it has room; otherwise the first candidate in hash
-   order with room ("spilled", remembered). With no room anywhere, the primary if it is usable
-   (healthy, not pressured), else the first usable candidate; a fleet that is full everywhere
-   leaves the budget to say no.
+   order with room ("spilled", remembered). Why bounded loads only here: hashing conversations
+   (and co-locating those that share a document) leaves some clusters with more sessions than
+   others by chance, and an existing session's cache is worth more than evenness, so only
+   where a new session starts is chosen for balance. With no room anywhere, the primary if it
+   is usable (healthy, not pressured), else the first usable candidate; a fleet that is full
+   everywhere leaves the budget to say no.
 
 The secondary (Envoy's failover target) is always the first other candidate in hash order that
 is healthy and not pressured, or simply the next one when none is: with a quiet fleet that is
@@ -82,6 +90,10 @@ class AffinityParams:
     hot_key_spread: int = 3
     hot_key_min_requests: float = 20.0
     hot_key_half_life_s: float = 10.0
+    # 0: off. Otherwise a new session's cluster stays within this factor of the mean recent
+    # requests over its candidates (see "over its share").
+    balance_factor: float = 0.0
+    balance_half_life_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +136,9 @@ class _Judge:
     now: float
     params: AffinityParams
     mean_load: float
+    # Recent requests over the session's healthy candidates: their sum and how many there are.
+    recent_total: float = 0.0
+    candidates: int = 1
 
     def load(self, name: str) -> int:
         return self.snapshot.get(name).load(self.now, self.params.signal_max_age_s)
@@ -147,11 +162,18 @@ class _Judge:
         p = self.params
         return load >= p.min_inflight and load > p.saturation_factor * self.mean_load
 
+    def over_share(self, name: str) -> bool:
+        factor = self.params.balance_factor
+        if factor <= 0:
+            return False
+        limit = factor * (self.recent_total + 1.0) / self.candidates
+        return self.snapshot.get(name).recent + 1.0 > limit
+
     def usable(self, name: str) -> bool:
         return self.healthy(name) and not self.pressured(name)
 
     def has_room(self, name: str) -> bool:
-        return self.usable(name) and not self.saturated(name)
+        return self.usable(name) and not self.saturated(name) and not self.over_share(name)
 
     def must_leave(self, name: str) -> MigrationReason | None:
         if not self.healthy(name):
@@ -181,7 +203,8 @@ def _judge(
     partial = _Judge(snapshot, now, params, 0.0)
     healthy = [n for n in ranked if partial.healthy(n)] or list(ranked)
     mean = sum(partial.load(n) for n in healthy) / len(healthy)
-    return _Judge(snapshot, now, params, mean)
+    recent = sum(snapshot.get(n).recent for n in healthy) if params.balance_factor > 0 else 0.0
+    return _Judge(snapshot, now, params, mean, recent, len(healthy))
 
 
 def _hot_target(ranked: Sequence[str], session: SessionView, judge: _Judge) -> str | None:

@@ -216,6 +216,9 @@ class ClusterLoad:
     reported_at: float | None = None
     # False while the shell has evidence the cluster is failing (e.g. Envoy failed over).
     healthy: bool = True
+    # Requests this processor placed there recently: a count decayed with a half-life
+    # (affinity.balance_half_life_s); 0 unless bounded-load placement is on.
+    recent: float = 0.0
 
     def fresh(self, now: float, max_age_s: float) -> bool:
         return self.reported_at is not None and now - self.reported_at <= max_age_s

@@ -5,7 +5,8 @@ Kept out of core/ because it is state over time and I/O:
 - :class:`LoadTable` — per cluster: this processor's own requests in flight (acquired when a
   request is routed, released when its ext_proc stream ends), the last load report the cluster
   returned (with the instant it arrived), and "failing until" after Envoy was seen failing over
-  from it. ``snapshot(now)`` turns it into the core's immutable :class:`FleetSnapshot`.
+  from it, and (bounded-load placement on) a decayed count of the requests it placed there.
+  ``snapshot(now)`` turns it into the core's immutable :class:`FleetSnapshot`.
 - :class:`SessionMemory` — per session key (a 16-byte digest, never the raw id): when it was
   last seen (new vs existing session) and its override (spilled / migrated placement) with an
   expiry. LRU-bounded by ``affinity.max_sessions``; expired entries are dropped as they reach
@@ -65,6 +66,19 @@ class LoadTable:
         self._inflight: dict[str, int] = {}
         self._reports: dict[str, tuple[LoadReport, float]] = {}
         self._failing_until: dict[str, float] = {}
+        # cluster -> (decayed count of placed requests, instant it was last brought up to date)
+        self._recent: dict[str, tuple[float, float]] = {}
+
+    def placed(self, cluster: str, now: float, half_life_s: float) -> None:
+        """Count one request placed on ``cluster`` (bounded-load placement's input)."""
+        self._recent[cluster] = (self.recent(cluster, now, half_life_s) + 1.0, now)
+
+    def recent(self, cluster: str, now: float, half_life_s: float) -> float:
+        found = self._recent.get(cluster)
+        if found is None:
+            return 0.0
+        value, at = found
+        return value * 2.0 ** (-max(0.0, now - at) / half_life_s)
 
     def acquire(self, cluster: str) -> int:
         count = self._inflight.get(cluster, 0) + 1
@@ -91,12 +105,19 @@ class LoadTable:
     def mark_failing(self, cluster: str, until: float) -> None:
         self._failing_until[cluster] = max(until, self._failing_until.get(cluster, until))
 
-    def cluster(self, name: str, now: float, ready: Collection[str] | None = None) -> ClusterLoad:
+    def cluster(
+        self,
+        name: str,
+        now: float,
+        ready: Collection[str] | None = None,
+        half_life_s: float | None = None,
+    ) -> ClusterLoad:
         failing = self._failing_until.get(name)
         healthy = (failing is None or now >= failing) and (ready is None or name in ready)
+        recent = 0.0 if half_life_s is None else self.recent(name, now, half_life_s)
         found = self._reports.get(name)
         if found is None:
-            return ClusterLoad(inflight=self._inflight.get(name, 0), healthy=healthy)
+            return ClusterLoad(inflight=self._inflight.get(name, 0), healthy=healthy, recent=recent)
         report, at = found
         return ClusterLoad(
             inflight=self._inflight.get(name, 0),
@@ -105,14 +126,20 @@ class LoadTable:
             reported_inflight=report.inflight,
             reported_at=at,
             healthy=healthy,
+            recent=recent,
         )
 
     def snapshot(
-        self, names: Sequence[str], now: float, ready: Collection[str] | None = None
+        self,
+        names: Sequence[str],
+        now: float,
+        ready: Collection[str] | None = None,
+        half_life_s: float | None = None,
     ) -> FleetSnapshot:
         """The clusters ``names`` as the policy sees them at ``now``. ``ready``: clusters with
-        a ready endpoint (endpoint-picker mode probes them), None when not known."""
-        return FleetSnapshot.of({n: self.cluster(n, now, ready) for n in names})
+        a ready endpoint (endpoint-picker mode probes them), None when not known;
+        ``half_life_s``: decay of the recent-request counts (None: not read, all 0)."""
+        return FleetSnapshot.of({n: self.cluster(n, now, ready, half_life_s) for n in names})
 
 
 class SessionMemory:

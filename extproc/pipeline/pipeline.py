@@ -740,9 +740,12 @@ class Pipeline:
         if record:
             self._decisions += 1
         view = await fleet.view(facts, ranked[0], now, params, salt, record=record)
-        snapshot = fleet.load.snapshot(ranked, now, self._ready_clusters(runtime))
+        balance = params.balance_half_life_s if params.balance_factor > 0 else None
+        snapshot = fleet.load.snapshot(ranked, now, self._ready_clusters(runtime), balance)
         decision = place(facts.session.source, ranked, snapshot, view, now, params)
         if record:
+            if balance is not None:
+                fleet.load.placed(decision.placement.primary, now, balance)
             if decision.migration_reason is not None:
                 # The session leaves the cluster holding its cache: one re-prefill on the new one.
                 self._metrics.migrations.labels(decision.migration_reason).inc()

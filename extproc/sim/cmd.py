@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--workload", choices=["synthetic"], help="built-in synthetic workload")
     source.add_argument(
         "--layout",
-        choices=[name for name in LAYOUTS if name != "responses"],
+        choices=list(LAYOUTS),
         help="conversations behind one shared opening (extproc.harness.layouts)",
     )
     parser.add_argument(

@@ -25,6 +25,7 @@ from extproc.core.keys import KeySource, hash_key
 from extproc.core.load import ClusterLoad, FleetSnapshot
 from extproc.core.placement import Placement, Rendezvous
 from extproc.harness.launch import envoy_binary
+from extproc.pipeline.fleet_state import LoadTable
 from extproc.render.envoy import render_bootstrap
 
 NOW = 1000.0
@@ -365,6 +366,72 @@ def test_the_decision_depends_only_on_its_inputs() -> None:
     assert later.kind == "primary"
 
 
+# -- bounded-load placement of new sessions (balance_factor) ------------------------------------
+
+BALANCED = dataclasses.replace(PARAMS, balance_factor=1.2)
+
+
+def recent(**counts: float) -> FleetSnapshot:
+    return snap(**{name: ClusterLoad(recent=counts.get(name, 0.0)) for name in RANKED})
+
+
+def test_a_new_session_starts_on_the_first_candidate_within_the_bound_and_is_remembered() -> None:
+    # 40 recent requests over 4 candidates: a cluster may take the 41st while it stays within
+    # 1.2 x 41 / 4 = 12.3, so 12 must not grow to 13.
+    loads = recent(c1=13.0, c2=12.0, c3=9.0, c4=6.0)
+    decision = decide(loads, params=BALANCED)
+    assert decision.kind == "spilled"
+    assert decision.placement.primary == "c3"  # c2 (12 -> 13) would pass the bound too
+    assert decision.override_to_write == Override("c3", NOW + BALANCED.override_ttl_s)
+
+
+def test_within_the_bound_a_new_session_keeps_its_hash_primary() -> None:
+    decision = decide(recent(c1=11.0, c2=12.0, c3=9.0, c4=8.0), params=BALANCED)
+    assert decision.kind == "primary"
+    assert decision.placement == Placement("c1", "c2")
+
+
+def test_the_bound_never_moves_an_existing_or_overridden_session() -> None:
+    loads = recent(c1=30.0, c2=1.0, c3=1.0, c4=1.0)
+    assert decide(loads, EXISTING, params=BALANCED).placement.primary == "c1"
+    overridden = SessionView(seen=True, override=Override("c1", NOW + 100.0))
+    assert decide(loads, overridden, params=BALANCED).placement.primary == "c1"
+    # Off (the default), the same counts change nothing for a new session either.
+    assert decide(loads, params=PARAMS).placement.primary == "c1"
+
+
+def test_on_an_idle_fleet_the_bound_leaves_the_hash_alone() -> None:
+    # No cluster can take the first request within 1.2 x 1 / 4: the hash primary, not a spill.
+    assert decide(recent(), params=BALANCED).kind == "primary"
+
+
+def test_bounded_placement_evens_out_many_new_sessions_that_hash_unevenly() -> None:
+    placer = Rendezvous.of([(n, 1.0) for n in RANKED])
+    counts = dict.fromkeys(RANKED, 0.0)
+    spilled = 0
+    for i in range(400):
+        ranked = tuple(placer.ranked(hash_key(KeySource.PREFIX, b"%d" % i).point))
+        loads = snap(**{n: ClusterLoad(recent=counts[n]) for n in RANKED})
+        decision = decide(loads, ranked=ranked, params=BALANCED)
+        spilled += decision.kind == "spilled"
+        counts[decision.placement.primary] += 1
+    assert max(counts.values()) <= 1.2 * 400 / 4 + 1
+    assert 0 < spilled < 400 / 2  # most sessions still start on their hash primary
+
+
+def test_the_shell_counts_placed_requests_with_a_half_life() -> None:
+    table = LoadTable()
+    for _ in range(8):
+        table.placed("c1", NOW, 60.0)
+    table.placed("c2", NOW, 60.0)
+    later = table.snapshot(RANKED, NOW + 60.0, half_life_s=60.0)
+    assert later.get("c1").recent == pytest.approx(4.0)  # one half-life: half of 8
+    assert later.get("c2").recent == pytest.approx(0.5)
+    assert later.get("c3").recent == 0.0
+    # Not asked for (bounded placement off): nothing is read.
+    assert table.snapshot(RANKED, NOW).get("c1").recent == 0.0
+
+
 # -- config: the affinity: section ---------------------------------------------------------------
 
 
@@ -455,6 +522,11 @@ def _processing_mode(runtime: Runtime) -> dict[str, str]:
             {"signal_max_age_s": 0}, "affinity.signal_max_age_s: must be > 0", id="max-age"
         ),
         pytest.param({"bogus": 1}, "affinity.bogus: unknown field", id="unknown-key"),
+        pytest.param(
+            {"balance_factor": 1.0},
+            "affinity.balance_factor: must be 0 (off) or > 1",
+            id="balance-at-the-mean",
+        ),
     ],
 )
 def test_invalid_affinity_settings_fail_at_load_time_with_their_path(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from extproc.bench.radix import RadixParams, RadixRouter, compare
+from collections import Counter
+
+from extproc.bench.radix import RadixParams, RadixRouter, bounded_placement, compare
+from extproc.core.placement import Rendezvous
 from extproc.harness.layouts import LayoutConfig, generate_layout
 
 NAMES = ("c1", "c2", "c3", "c4")
@@ -32,6 +35,7 @@ def test_the_comparison_judges_every_router_on_the_same_requests() -> None:
     rows = {row.router: row for row in compare(requests, 4)}
     assert set(rows) == {
         "chain key",
+        "chain key, new keys bounded at 1.1x mean",
         "opening key",
         "per-conversation hash",
         "radix tree, sgl-router defaults",
@@ -42,3 +46,21 @@ def test_the_comparison_judges_every_router_on_the_same_requests() -> None:
     assert rows["chain key"].max_mean < 2.0
     assert rows["chain key"].later_on_first == 1.0
     assert all(0.0 <= row.hit_vs_ideal <= 1.0 for row in rows.values())
+
+
+def test_bounded_placement_caps_new_keys_and_keeps_every_key_where_it_started() -> None:
+    placer = Rendezvous.of([(n, 1.0) for n in NAMES])
+    # Four heavy keys (20 requests each) and 200 one-request keys, interleaved.
+    points = [1_000 + k for _ in range(20) for k in range(4)]
+    points = [p for pair in zip(points, range(200), strict=False) for p in pair] + list(
+        range(80, 200)
+    )
+    placed = bounded_placement(points, placer, len(NAMES), 1.1)
+    where: dict[int, str] = {}
+    for point, cluster in zip(points, placed, strict=True):
+        assert where.setdefault(point, cluster) == cluster  # a key never moves
+    counts = Counter(placed)
+    assert max(counts.values()) <= 1.1 * len(points) / len(NAMES) + 20  # one key's overshoot
+    # Unbounded, the hash alone: a key's first cluster is its rendezvous primary.
+    free = bounded_placement(points, placer, len(NAMES), float("inf"))
+    assert free == [placer.ranked(p)[0] for p in points]
