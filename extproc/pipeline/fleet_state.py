@@ -78,7 +78,8 @@ class LoadTable:
         if found is None:
             return 0.0
         value, at = found
-        return value * 2.0 ** (-max(0.0, now - at) / half_life_s)
+        decay: float = 2.0 ** (-max(0.0, now - at) / half_life_s)
+        return value * decay
 
     def acquire(self, cluster: str) -> int:
         count = self._inflight.get(cluster, 0) + 1
