@@ -180,7 +180,13 @@ def _table(rows: list[list[str]]) -> str:
 DEMO_CLASSES: list[dict[str, object]] = [
     {"name": "short", "max_input_tokens": 2048, "budget": {"max_concurrent": 256}},
     {"name": "medium", "max_input_tokens": 100_000, "budget": {"max_concurrent": 64}},
-    {"name": "long", "budget": {"max_inflight_tokens": 600_000, "max_concurrent": 2}},
+    # The bulkhead phase shows the 429 and its hints: refused at once, not after flow
+    # control's default wait (tests/e2e/test_flow.py shows the waiting).
+    {
+        "name": "long",
+        "budget": {"max_inflight_tokens": 600_000, "max_concurrent": 2},
+        "wait": {"max_wait_s": 0},
+    },
 ]
 
 

@@ -9,7 +9,9 @@ The default bound is the longest request the config allows: receiving it
 (``request_receive_timeout_s``), the processor's two request phases (headers, then the whole
 body), each within Envoy's ext_proc ``message_timeout`` (counted on top, though Envoy's receive
 timer may already cover them), then the route timeout, which Envoy starts once the whole request
-was received and which covers every retry and the last byte of a streamed response. With
+was received and which covers every retry and the last byte of a streamed response. A request
+over its class budget may also wait for budget between its body and its route
+(extproc/core/flow.py): the longest wait of a class that has a budget is counted on top. With
 ``route_timeout_s: 0`` (the default: no timer ends a generation) or no receive timeout nothing
 bounds a request, and the default drain waits for every one of them.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from extproc.config.schema import FleetConfig
+from extproc.config.schema import ClassConfig, FleetConfig
 
 # Beyond the drain itself: closing the ledger, the shared session store and the admin server.
 SHUTDOWN_MARGIN_S = 5.0
@@ -49,7 +51,18 @@ def longest_request_s(config: FleetConfig) -> float | None:
     if route <= 0 or receive <= 0:
         return None
     phases = 2 * config.processor.message_timeout_ms / 1000
-    return receive + phases + route
+    return receive + phases + longest_wait_s(config) + route
+
+
+def _budgeted(config: FleetConfig, cls: ClassConfig) -> bool:
+    budgets = [cls.budget, cls.prefill_budget]
+    budgets += [m.budgets[cls.name] for m in config.models if cls.name in m.budgets]
+    return any(b.max_inflight_tokens or b.max_concurrent or b.tokens_per_second for b in budgets)
+
+
+def longest_wait_s(config: FleetConfig) -> float:
+    """The longest a request can wait for budget under this config (0: none can wait)."""
+    return max((c.max_wait_s for c in config.classes if _budgeted(config, c)), default=0.0)
 
 
 def drain_times(

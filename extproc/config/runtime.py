@@ -162,7 +162,7 @@ def compile_runtime(
                 c.budget.tokens_per_second,
                 c.budget.burst_tokens,
             ),
-            wait=WaitPolicy(c.wait.max_wait_s, c.wait.max_queue),
+            wait=WaitPolicy(c.max_wait_s, c.wait.max_queue),
         )
         for c in cfg.classes
     )

@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from extproc.core.flow import default_max_wait_s
+
 Port = Annotated[int, Field(ge=0, le=65535)]
 # Cluster names become Envoy cluster names and, joined by "__", aggregate-cluster names.
 # Names the Envoy renderer uses for its own clusters (extproc.render.envoy: EXTPROC_CLUSTER and
@@ -194,10 +196,12 @@ class BudgetConfig(Strict):
 class WaitConfig(Strict):
     """How an over-budget request of the class waits for budget (extproc/core/flow.py).
 
-    0 s = refused at once with a 429 (the default). Recommended: short classes barely wait
-    (0.5 s), long and agentic ones tens of seconds (30 s)."""
+    Unset, the class's size decides (extproc.core.flow.default_max_wait_s): a class bounded at
+    8,192 input tokens or less barely waits (0.5 s), larger ones and the catch-all (long and
+    agentic requests) wait up to 30 s. 0 s = never wait: the 429 is immediate. A request whose
+    estimated wait exceeds the maximum is refused at once either way."""
 
-    max_wait_s: float = Field(default=0.0, ge=0, le=3600, allow_inf_nan=False)
+    max_wait_s: float | None = Field(default=None, ge=0, le=3600, allow_inf_nan=False)
     # Waiters per (cluster, class) on one processor replica; more get an immediate 429.
     max_queue: int = Field(default=64, ge=1)
 
@@ -217,13 +221,21 @@ class ClassConfig(Strict):
     prefill_budget: BudgetConfig = BudgetConfig()
     wait: WaitConfig = WaitConfig()
 
+    @property
+    def max_wait_s(self) -> float:
+        """``wait.max_wait_s``, or the shipped default for the class's size when unset."""
+        if self.wait.max_wait_s is None:
+            return default_max_wait_s(self.max_input_tokens)
+        return self.wait.max_wait_s
+
 
 class FlowConfig(Strict):
     """Flow control before a 429 (ARCHITECTURE.md, "Flow control")."""
 
     # A new session (no seen mark, no override) whose primary's class budget is full runs on
     # its next hash candidate with room, remembered like a spill (affinity.override_ttl_s).
-    place_new_sessions: bool = False
+    # Off, it waits or gets its 429 on its primary like an existing session.
+    place_new_sessions: bool = True
     # Trusted header naming the tenant for fair queueing; unset: the tier is the tenant.
     tenant_header: HeaderName | None = None
     # A tenant's share of a contended queue, by tier (default 1).

@@ -26,13 +26,32 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
 
+# The shipped waits (issue 20: "short requests barely wait; long and agentic requests may wait
+# tens of seconds"). A class bounded at or below SHORT_CLASS_TOKENS serves requests whose whole
+# answer is expected within a second or two: a wait longer than that is worse than a prompt
+# 429 that sends the client elsewhere. Larger classes (and the catch-all, where long
+# agentic contexts land) take tens of seconds of prefill anyway, so waiting for budget costs
+# proportionally little and saves a blind retry whose hint may be minutes.
+SHORT_CLASS_TOKENS = 8192
+SHORT_MAX_WAIT_S = 0.5
+LONG_MAX_WAIT_S = 30.0
+
+
+def default_max_wait_s(max_input_tokens: int | None) -> float:
+    """The wait a class gets when fleet.yaml does not set ``wait.max_wait_s``, by its size
+    bound (None: the catch-all class, unbounded input)."""
+    if max_input_tokens is not None and max_input_tokens <= SHORT_CLASS_TOKENS:
+        return SHORT_MAX_WAIT_S
+    return LONG_MAX_WAIT_S
+
 
 @dataclass(frozen=True, slots=True)
 class WaitPolicy:
     """How long and how many requests of one class may wait for budget on one cluster.
 
     ``max_wait_s`` 0 means "never wait" (the 429 is immediate, the behaviour before waiting
-    existed); ``max_queue`` bounds the waiters per (cluster, class) on one processor replica.
+    existed; fleet.yaml's default is :func:`default_max_wait_s`); ``max_queue`` bounds the
+    waiters per (cluster, class) on one processor replica.
     """
 
     max_wait_s: float = 0.0
@@ -47,7 +66,8 @@ class WaitPolicy:
 class FlowParams:
     """Compiled from fleet.yaml's ``flow:`` section."""
 
-    # Place a new session on its next hash candidate with room when its primary is full.
+    # Place a new session on its next hash candidate with room when its primary is full
+    # (fleet.yaml's default is on: the issue's rule, not an option).
     place_new_sessions: bool = False
     # The trusted header naming the tenant for fair queueing (None: the tier is the tenant).
     tenant_header: str | None = None

@@ -41,10 +41,18 @@ from extproc.reliability.traffic import FAILURES, SteadyLoad, TrafficOptions
 from extproc.render.envoy_dynamic import write_atomically
 
 # Tight budgets, so steady traffic presses against them and over-admission would show.
+# Refused at once (no flow-control wait, no placement elsewhere: the contract before issue 20's
+# defaults), so the faults meet the budget's own accounting, as the chaos table was measured.
+NO_WAIT: dict[str, Any] = {"max_wait_s": 0}
 CLASSES: list[dict[str, Any]] = [
-    {"name": "short", "max_input_tokens": 2048, "budget": {"max_concurrent": 4}},
-    {"name": "medium", "max_input_tokens": 100000, "budget": {"max_concurrent": 2}},
-    {"name": "long", "budget": {"max_concurrent": 1}},
+    {"name": "short", "max_input_tokens": 2048, "budget": {"max_concurrent": 4}, "wait": NO_WAIT},
+    {
+        "name": "medium",
+        "max_input_tokens": 100000,
+        "budget": {"max_concurrent": 2},
+        "wait": NO_WAIT,
+    },
+    {"name": "long", "budget": {"max_concurrent": 1}, "wait": NO_WAIT},
 ]
 ERRORS = "fleet_ledger_redis_errors_total"
 LIMITS = {c["name"]: c["budget"]["max_concurrent"] for c in CLASSES}
@@ -109,6 +117,7 @@ class Chaos:
             processor_args=("--grace", str(self.args.grace_s)),
             fleet_overrides={
                 "classes": CLASSES,
+                "flow": {"place_new_sessions": False},
                 "redis": {
                     "url": f"redis://{LOOPBACK}:{self.proxy.port}/0",
                     "on_unavailable": "local",

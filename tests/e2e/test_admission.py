@@ -16,6 +16,7 @@ import pytest
 
 from extproc.harness.launch import Client, FleetStack, wait_until
 from tests.e2e.conftest import dump_logs
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 from tests.support.redis_server import RedisServer
 
 CHAT = "/v1/chat/completions"
@@ -52,7 +53,7 @@ def bulkheaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]
         tmp_path_factory.mktemp("bulkhead"),
         clusters=3,
         sim_args=SIM_ARGS,
-        fleet_overrides={"classes": CLASSES},
+        fleet_overrides={"classes": refused_at_once(CLASSES), "flow": NO_PLACEMENT},
         processor_args=("--seed", "7"),
     )
     with stack:
@@ -188,7 +189,11 @@ def test_two_processors_sharing_redis_enforce_one_budget(
             clusters=2,
             sim_args=SIM_ARGS,
             processors=2,
-            fleet_overrides={"classes": classes, "redis": {"url": redis_server.url, "replicas": 2}},
+            fleet_overrides={
+                "classes": refused_at_once(classes),
+                "flow": NO_PLACEMENT,
+                "redis": {"url": redis_server.url, "replicas": 2},
+            },
         )
         with stack:
             # One session: every request's primary is the same cluster, whose long budget is

@@ -22,6 +22,7 @@ from extproc.harness.launch import LOOPBACK, FleetStack, wait_until
 from extproc.render.envoy import FALLBACK_CLUSTER
 from tests.e2e.conftest import dump_logs
 from tests.e2e.predict import placement_for
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 CHAT = "/v1/chat/completions"
 SESSION = {"x-session-id": "edge-paths-session"}
@@ -61,7 +62,11 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         tmp_path_factory.mktemp("edge"),
         clusters=3,
         sim_args=SIM_ARGS,
-        fleet_overrides={"classes": CLASSES, "session": {"tier_header": TIER_HEADER}},
+        fleet_overrides={
+            "classes": refused_at_once(CLASSES),
+            "flow": NO_PLACEMENT,
+            "session": {"tier_header": TIER_HEADER},
+        },
     )
     with stack:
         yield stack

@@ -21,6 +21,7 @@ from extproc.config import load_runtime
 from extproc.harness.launch import Client, FleetStack, http_get, wait_until
 from tests.e2e.conftest import MakeClient, dump_logs
 from tests.e2e.predict import placement_for
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 CHAT = "/v1/chat/completions"
 BUDGET = 2
@@ -67,7 +68,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         tmp_path_factory.mktemp("observed"),
         clusters=3,
         fleet_overrides={
-            "classes": CLASSES,
+            "classes": refused_at_once(CLASSES),
+            "flow": NO_PLACEMENT,
             "affinity": {"enabled": True, "served_by_header": None},
             "processor": {"inspect_usage": True},
         },
@@ -123,7 +125,8 @@ def probing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         clusters=3,
         sim_args=SLOW_SIMS,
         fleet_overrides={
-            "classes": CLASSES,
+            "classes": refused_at_once(CLASSES),
+            "flow": NO_PLACEMENT,
             "affinity": {"served_by_header": None},
             "processor": {"probe_clusters": True},
         },

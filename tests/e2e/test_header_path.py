@@ -17,6 +17,7 @@ from extproc.config import load_runtime
 from extproc.harness.launch import LOOPBACK, Client, FleetStack, wait_until
 from tests.e2e.conftest import MakeClient, dump_logs
 from tests.e2e.predict import placement_for
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 CHAT = "/v1/chat/completions"
 # Messages Envoy's ext_proc filter sent to the processor (the listener's stat prefix is fixed
@@ -104,7 +105,7 @@ def test_a_request_decided_at_headers_holds_its_budget_until_it_ends(
         clusters=2,
         # About 1.5 s of generation (64 tokens at 40 tokens/s, real time).
         sim_args=("--time-scale", "1", "--decode-tps", "40"),
-        fleet_overrides={"classes": classes},
+        fleet_overrides={"classes": refused_at_once(classes), "flow": NO_PLACEMENT},
     )
     headers = {"content-type": "application/json"}
     if session_header:

@@ -27,6 +27,7 @@ from extproc.harness.launch import FleetStack, http_get, wait_until
 from extproc.harness.sim_pd import PREFILLED_BY, SIM_RELATION_HEADER, SIM_TRANSFER_HEADER
 from tests.e2e.conftest import MakeClient, dump_logs
 from tests.e2e.predict import placement_for
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 CHAT = "/v1/chat/completions"
 LAYOUT = {
@@ -63,10 +64,17 @@ def pd_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
                 ],
                 "cross_gbytes_per_s": 12.5,
             },
-            "classes": [
-                {"name": "short", "max_input_tokens": 256},
-                {"name": "long", "disaggregated": True, "prefill_budget": {"max_concurrent": 2}},
-            ],
+            "classes": refused_at_once(
+                [
+                    {"name": "short", "max_input_tokens": 256},
+                    {
+                        "name": "long",
+                        "disaggregated": True,
+                        "prefill_budget": {"max_concurrent": 2},
+                    },
+                ]
+            ),
+            "flow": NO_PLACEMENT,
         },
     )
     with stack:

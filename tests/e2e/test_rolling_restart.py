@@ -22,6 +22,7 @@ import redis
 
 from extproc.harness.launch import FleetStack, http_get, wait_until
 from tests.e2e.streaming_traffic import StreamingTraffic
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 from tests.support.redis_server import RedisServer
 
 # Generous: on a starved machine a processor takes tens of seconds to start (seen at load 25).
@@ -63,7 +64,8 @@ def test_rolling_restart_under_streaming_traffic(
             # 48 tokens at 16 tokens/s: each stream runs ~3 s, sent in ~60 ms chunks.
             sim_args=("--time-scale", "1", "--decode-tps", "16", "--max-output", "64"),
             fleet_overrides={
-                "classes": classes,
+                "classes": refused_at_once(classes),
+                "flow": NO_PLACEMENT,
                 # A loaded test machine can take more than the default 50 ms to answer; a replica
                 # that fell back to local budget shares would not enforce the fleet-wide one.
                 "redis": {"url": redis_server.url, "timeout_ms": 3000, "replicas": 2},

@@ -22,6 +22,7 @@ import pytest
 
 from extproc.harness.launch import FleetStack
 from tests.e2e.conftest import dump_logs
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 # One cluster, so the whole burst lands on one budget; each request holds its slot ~0.5 s
 # (8 output tokens at 16 tokens/s).
@@ -73,7 +74,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         tmp_path_factory.mktemp("sdk"),
         clusters=1,
         sim_args=SIM_ARGS,
-        fleet_overrides={"classes": CLASSES},
+        fleet_overrides={"classes": refused_at_once(CLASSES), "flow": NO_PLACEMENT},
         processor_args=("--seed", "11"),
     ) as running:
         yield running

@@ -19,6 +19,7 @@ import pytest
 
 from extproc.harness.launch import Client, FleetStack, http_get, wait_until
 from tests.e2e.h2_client import h2_post
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,7 +39,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         tmp_path_factory.mktemp("trailers"),
         clusters=1,
         sim_args=("--time-scale", "1", "--decode-tps", "16", "--prefill-tps", "2000000"),
-        fleet_overrides={"classes": CLASSES},
+        fleet_overrides={"classes": refused_at_once(CLASSES), "flow": NO_PLACEMENT},
     )
     with stack:
         yield stack

@@ -23,6 +23,7 @@ from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.outcomes import Rejected, Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from tests.stream.test_pipeline import headers
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 from tests.support.redis_server import RedisServer
 
 CLUSTERS = ("c1", "c2", "c3")
@@ -34,7 +35,8 @@ def runtime(redis_url: str | None = None) -> Runtime:
         "clusters": [
             {"name": c, "endpoints": [f"127.0.0.1:80{i:02d}"]} for i, c in enumerate(CLUSTERS)
         ],
-        "classes": [{"name": "all", "budget": {"max_concurrent": 2}}],
+        "classes": refused_at_once([{"name": "all", "budget": {"max_concurrent": 2}}]),
+        "flow": NO_PLACEMENT,
     }
     if redis_url:
         doc["redis"] = {"url": redis_url, "timeout_ms": 2000}

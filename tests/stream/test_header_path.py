@@ -44,6 +44,7 @@ from tests.stream.test_servicer import (
     immediate,
     routed,
 )
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 # The servicer tests' fixture (a FleetProcessor on a real grpc.aio server), registered here
 # under the same name.
@@ -62,22 +63,29 @@ def fleet(read_body: str, affinity: bool) -> dict[str, Any]:
             for i in range(1, 6)
         ],
         "session": {"header": "x-session-id", "tier_header": "x-tenant-tier"},
-        "classes": [
-            {
-                "name": "gold",
-                "tiers": ["gold"],
-                "eligible": ["c1", "c2"],
-                "budget": {"max_concurrent": 2},
-            },
-            {"name": "short", "max_input_tokens": 300, "budget": {"max_concurrent": 3}},
-            {
-                "name": "medium",
-                "max_input_tokens": 3000,
-                "budget": {"max_inflight_tokens": 5000},
-            },
-            {"name": "long", "eligible": ["c4", "c5"], "budget": {"max_inflight_tokens": 20000}},
-        ],
+        "classes": refused_at_once(
+            [
+                {
+                    "name": "gold",
+                    "tiers": ["gold"],
+                    "eligible": ["c1", "c2"],
+                    "budget": {"max_concurrent": 2},
+                },
+                {"name": "short", "max_input_tokens": 300, "budget": {"max_concurrent": 3}},
+                {
+                    "name": "medium",
+                    "max_input_tokens": 3000,
+                    "budget": {"max_inflight_tokens": 5000},
+                },
+                {
+                    "name": "long",
+                    "eligible": ["c4", "c5"],
+                    "budget": {"max_inflight_tokens": 20000},
+                },
+            ]
+        ),
         "affinity": {"enabled": affinity},
+        "flow": NO_PLACEMENT,
     }
 
 

@@ -16,6 +16,7 @@ from extproc.ledger.gate import build_gate
 from extproc.metrics import Metrics
 from extproc.pipeline.outcomes import Passthrough, Rejected, Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 CHAT = "/v1/chat/completions"
 
@@ -24,11 +25,14 @@ def doc(**extra: Any) -> dict[str, Any]:
     return {
         "version": 1,
         "clusters": [{"name": f"c{i}", "endpoints": [f"127.0.0.1:80{i:02d}"]} for i in (1, 2, 3)],
-        "classes": [
-            {"name": "short", "max_input_tokens": 200, "budget": {"max_concurrent": 1}},
-            {"name": "long", "budget": {"max_inflight_tokens": 300}},
-        ],
+        "classes": refused_at_once(
+            [
+                {"name": "short", "max_input_tokens": 200, "budget": {"max_concurrent": 1}},
+                {"name": "long", "budget": {"max_inflight_tokens": 300}},
+            ]
+        ),
         "affinity": {"enabled": True},
+        "flow": NO_PLACEMENT,
         **extra,
     }
 
