@@ -202,7 +202,8 @@ class WaitConfig(Strict):
     estimated wait exceeds the maximum is refused at once either way."""
 
     max_wait_s: float | None = Field(default=None, ge=0, le=3600, allow_inf_nan=False)
-    # Waiters per (cluster, class) on one processor replica; more get an immediate 429.
+    # Waiters per (cluster, class): fleet-wide with Redis (one queue for every replica), on
+    # one processor replica without it; more get an immediate 429.
     max_queue: int = Field(default=64, ge=1)
 
 

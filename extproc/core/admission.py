@@ -186,6 +186,12 @@ class LedgerAnswer:
     usage: Usage
     released: ReleaseStats
     now: float
+    # Requests (and their tokens) in the compartment's fleet-wide queue (the Redis ledger's
+    # flow-control queue); 0 from a ledger that keeps no queue of its own.
+    queued: int = 0
+    queued_tokens: int = 0
+    # Refused because another request heads that queue (its budget may have had room).
+    behind: bool = False
 
 
 @dataclass(frozen=True, slots=True)

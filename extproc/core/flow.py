@@ -51,7 +51,7 @@ class WaitPolicy:
 
     ``max_wait_s`` 0 means "never wait" (the 429 is immediate, the behaviour before waiting
     existed; fleet.yaml's default is :func:`default_max_wait_s`); ``max_queue`` bounds the
-    waiters per (cluster, class) on one processor replica.
+    waiters per (cluster, class) (fleet-wide with Redis, extproc/ledger/queue.lua).
     """
 
     max_wait_s: float = 0.0
@@ -127,6 +127,7 @@ T = TypeVar("T")
 @dataclass(order=True, slots=True)
 class _Entry(Generic[T]):
     tag: float
+    order: int  # ties of tags: arrival order (this queue's, or the fleet-wide queue's)
     seq: int
     tenant: str = field(compare=False)
     item: T = field(compare=False)
@@ -163,13 +164,28 @@ class FairQueue(Generic[T]):
         """The summed cost (estimated input tokens) of the live waiters."""
         return self._tokens
 
-    def push(self, item: T, tenant: str, weight: float = 1.0, cost: int = 0) -> int:
-        """Queue ``item``; returns its id (for :meth:`remove`)."""
+    def tag_for(self, tenant: str, weight: float = 1.0) -> float:
+        """The tag a waiter of ``tenant`` joining now gets (what :meth:`push` assigns)."""
         start = max(self._virtual, self._last.get(tenant, self._virtual))
-        tag = start + 1.0 / max(weight, 1e-9)
-        self._last[tenant] = tag
+        return start + 1.0 / max(weight, 1e-9)
+
+    def push(
+        self,
+        item: T,
+        tenant: str,
+        weight: float = 1.0,
+        cost: int = 0,
+        tag: float | None = None,
+        order: int | None = None,
+    ) -> int:
+        """Queue ``item``; returns its id (for :meth:`remove`). ``tag`` and ``order`` given:
+        the place was decided elsewhere (the fleet-wide queue in Redis, queue.lua, computes
+        the same tags over every replica's waiters), and this queue keeps that order."""
+        if tag is None:
+            tag = self.tag_for(tenant, weight)
+        self._last[tenant] = max(tag, self._last.get(tenant, tag))
         seq = next(self._seq)
-        entry = _Entry(tag, seq, tenant, item, cost)
+        entry = _Entry(tag, seq if order is None else order, seq, tenant, item, cost)
         heapq.heappush(self._heap, entry)
         self._ids[seq] = entry
         self._live += 1

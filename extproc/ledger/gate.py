@@ -61,7 +61,7 @@ from extproc.core.flow import QueueVerdict, WaitPolicy, queue_decision
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.metrics import LedgerMetrics
-from extproc.ledger.redis import RedisLedger, lease_ttl_tick
+from extproc.ledger.redis import TICKET_LEASE_S, Joined, RedisLedger, lease_ttl_tick
 from extproc.ledger.waiters import Queued, Waiters, listen_for_releases
 from extproc.redis_health import RedisHealth
 
@@ -158,6 +158,7 @@ class AdmissionGate:
         self._limits_seen: dict[tuple[str, str], Budget] = {}
         self._series_cache: dict[tuple[str, str, str], _Series] = {}
         self._renewer: asyncio.Task[None] | None = None
+        self._toucher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._throttle = _LogThrottle(clock, LOG_INTERVAL_S)
         self._m.set_mode(self.mode)
@@ -239,10 +240,14 @@ class AdmissionGate:
             self._count_reject(attempt.outcome)
         return attempt.outcome
 
-    async def attempt(self, demand: Demand, *, reserve: bool = True) -> Attempt:
+    async def attempt(
+        self, demand: Demand, *, reserve: bool = True, ticket: str | None = None
+    ) -> Attempt:
         """One check-and-reserve of ``demand`` on the active ledger, uncounted when refused
         (the caller may still place or queue the request: see :meth:`count_reject`).
-        ``reserve=False`` only looks (a refusal computed from the compartment as it is)."""
+        ``reserve=False`` only looks (a refusal computed from the compartment as it is).
+        On Redis a new request is refused while others wait in the compartment's fleet-wide
+        queue; ``ticket``, a waiter's, is granted only at that queue's head."""
         if not reserve:
             seen = await self.peek(demand)
             refused = verdict(demand, dataclasses.replace(seen, granted=False), self._rng)
@@ -250,7 +255,7 @@ class AdmissionGate:
         self._publish(demand.cluster, demand.class_name, demand.limits)
         answer: LedgerAnswer | None = None
         if self._shared is not None and self._redis_due():
-            answer = await self._reserve_shared(self._shared, demand)
+            answer = await self._reserve_shared(self._shared, demand, ticket or "-")
         if answer is None:
             if self._shared is not None and self._on_unavailable == "closed":
                 reject = unavailable(demand, self._health.probe_interval_s, self._rng)
@@ -305,6 +310,9 @@ class AdmissionGate:
             return {**out, "would": "admit", "estimated_wait_s": 0.0}
         demand = Demand(cluster, request_class.name, tokens, budget, budget.resolved())
         answer = await self.peek(demand)
+        if self.mode == "redis":  # the fleet-wide queue
+            queued, queued_tokens = answer.queued, answer.queued_tokens
+            out["queued"] = queued
         estimate = queued_wait(demand, answer, queued, queued_tokens)
         if not queued and queued_wait(demand, answer) == 0:
             would = "admit"
@@ -316,7 +324,7 @@ class AdmissionGate:
     def metrics(self) -> LedgerMetrics:
         return self._m
 
-    def queue(
+    async def queue(
         self,
         demand: Demand,
         attempt: Attempt,
@@ -327,20 +335,36 @@ class AdmissionGate:
     ) -> Queued | Reject:
         """After a refused ``attempt`` of ``demand``: join its queue, or the 429 to answer now
         (the class does not wait, the queue is full, or the estimated wait is too long: the
-        hint is then that estimate, counting the requests queued ahead)."""
+        hint is then that estimate, counting the requests queued ahead).
+
+        With Redis the queue is fleet-wide (queue.lua): its length, its order and the
+        requests ahead count every replica's waiters; this replica's waiters keep that order
+        locally. With Redis unreachable it is this replica's own queue."""
         reject = attempt.outcome
         assert isinstance(reject, Reject)
         answer = attempt.answer
         if answer is None or reject.status != 429 or reject.reason is Reason.LOCAL_SHARE:
             self._count_reject(reject)
             return reject
-        ahead, ahead_tokens = self.waiters.ahead(demand.cluster, demand.class_name)
+        key = (demand.cluster, demand.class_name)
+        shared = self._shared if self.mode == "redis" else None  # then the answer is Redis's
+        ahead, ahead_tokens = self.waiters.ahead(*key)
+        if shared is not None:
+            ahead, ahead_tokens = answer.queued, answer.queued_tokens
         estimate = queued_wait(attempt.demand, answer, ahead, ahead_tokens)
         decision = queue_decision(policy, ahead, estimate)
+        joined: Joined | None = None
+        if decision is QueueVerdict.WAIT and shared is not None:
+            # None when Redis failed: this replica's queue alone.
+            joined = await self._join_shared(shared, demand, tenant, weight, policy)
+            if joined is not None and not joined.joined:
+                decision, ahead, ahead_tokens = (
+                    QueueVerdict.OVERFLOW,
+                    joined.ahead,
+                    joined.ahead_tokens,
+                )
         if decision is QueueVerdict.WAIT:
-            waiter = self.waiters.join(
-                (demand.cluster, demand.class_name), tenant, weight, demand.tokens
-            )
+            waiter = self.waiters.join(key, tenant, weight, demand.tokens, joined)
             return Queued(
                 self, demand, waiter, policy, poll_s, self._clock, self._rng, self._clock(), answer
             )
@@ -356,6 +380,69 @@ class AdmissionGate:
             reject = refusal
         self._count_reject(reject)
         return reject
+
+    async def _join_shared(
+        self,
+        shared: RedisLedger,
+        demand: Demand,
+        tenant: str,
+        weight: float,
+        policy: WaitPolicy,
+    ) -> Joined | None:
+        ticket = shared.new_ticket()
+        try:
+            joined = await shared.join(
+                demand.cluster,
+                demand.class_name,
+                ticket,
+                tenant,
+                weight,
+                demand.tokens,
+                policy.max_queue,
+            )
+        except LedgerUnavailable as exc:
+            # The join may have run; its ticket, unknown here, lapses with its lease.
+            self._redis_failed("join", exc)
+            return None
+        self._redis_ok()
+        return joined
+
+    def leave_shared(self, cluster: str, class_name: str, ticket: str) -> None:
+        """Withdraw a waiter's ticket from the fleet-wide queue, in the background (the
+        waiter is gone already; a withdrawal Redis does not take lapses with its lease)."""
+        shared = self._shared
+        if shared is None:
+            return
+
+        async def leave() -> None:
+            try:
+                await shared.leave(cluster, class_name, ticket)
+            except LedgerUnavailable as exc:
+                self._redis_failed("leave", exc)
+
+        task = asyncio.ensure_future(leave())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _touch_loop(self, shared: RedisLedger) -> None:
+        """Renew this replica's queue tickets, three times per lease: a dead replica's lapse
+        within TICKET_LEASE_S and stop holding up the fleet-wide queue."""
+        while True:
+            await asyncio.sleep(TICKET_LEASE_S / 3)
+            if not self._health.up:
+                continue
+            for (cluster, class_name), tickets in self.waiters.tickets().items():
+                try:
+                    await shared.touch(cluster, class_name, tickets)
+                except LedgerUnavailable as exc:
+                    # Left to the next round: the lease outlasts three of them.
+                    self._redis_failed("touch", exc)
+                    break
+                except Exception:
+                    # A bug here must not stop renewal for good: every waiter would lose
+                    # its place. Log it and try again next round.
+                    log.exception("queue ticket renewal failed")
+                    break
 
     async def move(self, ticket: Ticket, cluster: str, budget: Budget) -> Ticket:
         """Charge a running request to ``cluster`` instead of ``ticket.cluster`` (Envoy failed
@@ -390,11 +477,13 @@ class AdmissionGate:
         await self.release(ticket)
         return moved
 
-    async def _reserve_shared(self, shared: RedisLedger, demand: Demand) -> LedgerAnswer | None:
+    async def _reserve_shared(
+        self, shared: RedisLedger, demand: Demand, queue: str = ""
+    ) -> LedgerAnswer | None:
         started = self._clock()
         lease = shared.new_lease()
         try:
-            answer = await shared.reserve(demand, lease)
+            answer = await shared.reserve(demand, lease, queue)
         except LedgerUnavailable as exc:
             self._settle(shared, demand.cluster, demand.class_name, lease)
             self._redis_failed("reserve", exc)
@@ -688,6 +777,9 @@ class AdmissionGate:
             except LedgerUnavailable as exc:
                 self._redis_failed("load", exc)
             self._renewer = asyncio.create_task(self._renew_loop(), name="ledger-renew")
+            self._toucher = asyncio.create_task(
+                self._touch_loop(self._shared), name="ledger-queue-tickets"
+            )
         if self._shared is not None and self._release_notices:
             subscribed = asyncio.Event()
             self._wakeups = asyncio.create_task(
@@ -724,10 +816,11 @@ class AdmissionGate:
             self._wakeups.cancel()
             await asyncio.gather(self._wakeups, return_exceptions=True)
             self._wakeups = None
-        if self._renewer is not None:
-            self._renewer.cancel()
-            await asyncio.gather(self._renewer, return_exceptions=True)
-            self._renewer = None
+        for task in (self._renewer, self._toucher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._renewer = self._toucher = None
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         await self._local.close()

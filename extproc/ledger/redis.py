@@ -25,14 +25,20 @@ request class, its three keys sharing one hash tag ``{cluster:class}``)::
                                           rel_since  time of the first counted release
     P:{cluster:class}:leases        ZSET  member lease id, score = expiry (Redis TIME, s)
     P:{cluster:class}:lease_tokens  HASH  lease id -> tokens it holds
+    P:{cluster:class}:queue         ZSET  flow control's fleet-wide queue: ticket -> fair tag
+    P:{cluster:class}:queue_expiry  ZSET  ticket -> lease expiry (Redis TIME, s)
+    P:{cluster:class}:queue_meta    HASH  vt (the tag last admitted), seq (arrivals),
+                                          t:<tenant> (its last tag), k:<ticket> (its tokens)
 
-Lease ids are ``<replica id>:<sequence>``; the replica id is random per process. Times come
-from the Redis server clock (``TIME`` inside the scripts), never from a replica's. All three
-keys of a compartment expire together after an idle period longer than the lease TTL, so
-compartments of removed classes or clusters clean themselves up. Every script call touches the
-keys of one compartment only, all in the hash slot of ``{cluster:class}``, so the same layout
-runs on a single Redis, a primary with replicas, or Redis Cluster (``redis+cluster://`` URLs,
-see extproc.redis_client).
+Lease ids are ``<replica id>:<sequence>``; the replica id is random per process. Queue tickets
+(queue.lua) are ``<arrival number>/<replica id>:q<sequence>``, leased for ``TICKET_LEASE_S``
+and renewed by their waiting replica, so a dead replica's waiters stop blocking the queue
+soon. Times come from the Redis server clock (``TIME`` inside the scripts), never from a
+replica's. All keys of a compartment expire together after an idle period longer than the
+lease TTL, so compartments of removed classes or clusters clean themselves up. Every script
+call touches the keys of one compartment only, all in the hash slot of ``{cluster:class}``, so
+the same layout runs on a single Redis, a primary with replicas, or Redis Cluster
+(``redis+cluster://`` URLs, see extproc.redis_client).
 
 Every call is bounded by ``redis.timeout_ms`` and redis-py's own retries are disabled: a
 retried reserve could wait several timeouts, and the policy for an unreachable Redis belongs
@@ -48,6 +54,7 @@ import inspect
 import itertools
 import secrets
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -76,6 +83,11 @@ RENEW_CHUNK = 1000
 RENEW_BATCH = 1_000
 
 
+# A queue ticket lapses this long after its replica last renewed it (a waiter renews its own
+# every third of it): a dead replica's waiters hold up the queue at most this long.
+TICKET_LEASE_S = 3.0
+
+
 def _script(name: str) -> str:
     return resources.files("extproc.ledger").joinpath(name).read_text(encoding="utf-8")
 
@@ -83,6 +95,25 @@ def _script(name: str) -> str:
 def compartment_keys(prefix: str, cluster: str, class_name: str) -> tuple[str, str, str]:
     base = f"{prefix}:{{{cluster}:{class_name}}}"
     return f"{base}:state", f"{base}:leases", f"{base}:lease_tokens"
+
+
+def queue_keys(prefix: str, cluster: str, class_name: str) -> tuple[str, str, str]:
+    """The keys of a compartment's fleet-wide flow-control queue (same hash slot)."""
+    base = f"{prefix}:{{{cluster}:{class_name}}}"
+    return f"{base}:queue", f"{base}:queue_expiry", f"{base}:queue_meta"
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """queue.lua's answer to a join: ``joined`` False when the queue was full; ``ahead`` and
+    ``ahead_tokens`` are the tickets served before it (all of them when it did not join)."""
+
+    joined: bool
+    ahead: int
+    ahead_tokens: int
+    tag: float
+    ticket: str  # its member in the queue (arrival number / the caller's ticket id)
+    order: int  # its arrival number: ties of tags go in this order
 
 
 def _text(value: Any) -> str:
@@ -119,9 +150,11 @@ class RedisLedger:
         self.replica_id = replica_id or secrets.token_hex(6)
         self._idle_ttl_ms = int(max(IDLE_TTL_S, 4 * lease_ttl_s) * 1000)
         self._ids = itertools.count(1)
+        self._tickets = itertools.count(1)
         self._reserve = client.register_script(_script("reserve.lua"))
         self._release = client.register_script(_script("release.lua"))
         self._renew = client.register_script(_script("renew.lua"))
+        self._queue = client.register_script(_script("queue.lua"))
 
     @classmethod
     def from_url(
@@ -160,7 +193,7 @@ class RedisLedger:
 
     async def load(self) -> None:
         """Load the scripts so the first admission is already a single EVALSHA."""
-        for script in (self._reserve, self._release, self._renew):
+        for script in (self._reserve, self._release, self._renew, self._queue):
             await self._bounded("script load", self.client.script_load(script.script))
 
     async def eviction_policy(self) -> str | None:
@@ -196,9 +229,20 @@ class RedisLedger:
             Usage(int(raw[1]), int(raw[2]), _num(raw[3])),
             ReleaseStats(_num(raw[4]), _num(raw[5]), _num(raw[6]), _num(raw[7])),
             _num(raw[8]),
+            int(raw[9]),
+            int(raw[10]),
+            int(raw[11]) == 1,
         )
 
-    def _args(self, lease: str, tokens: int, limits: Budget, peek: bool) -> list[str | int]:
+    def _keys(self, cluster: str, class_name: str) -> tuple[str, ...]:
+        return (
+            *compartment_keys(self.prefix, cluster, class_name),
+            *queue_keys(self.prefix, cluster, class_name),
+        )
+
+    def _args(
+        self, lease: str, tokens: int, limits: Budget, peek: bool, queue: str = ""
+    ) -> list[str | int]:
         return [
             lease,
             tokens,
@@ -209,24 +253,29 @@ class RedisLedger:
             repr(float(self.lease_ttl_s)),
             self._idle_ttl_ms,
             1 if peek else 0,
+            queue,
+            repr(TICKET_LEASE_S),
+            self.freed_channel,
         ]
 
     def new_lease(self) -> str:
         """A lease id no other call of any replica uses (replica id, sequence)."""
         return f"{self.replica_id}:{next(self._ids)}"
 
-    async def reserve(self, demand: Demand, lease: str | None = None) -> LedgerAnswer:
+    async def reserve(
+        self, demand: Demand, lease: str | None = None, queue: str = ""
+    ) -> LedgerAnswer:
         """Reserve under ``lease`` (from :meth:`new_lease`; a fresh one when omitted).
 
         Resending the same lease id never reserves twice; after :meth:`cancel` of that id it
-        is refused.
+        is refused. ``queue``: "" ignores the compartment's flow-control queue (a charge that
+        follows a failover), "-" is a new request (refused while anyone is queued: it does not
+        pass them), a ticket (:meth:`join`) is granted only at the head of the queue.
         """
         lease = lease or self.new_lease()
-        keys = compartment_keys(self.prefix, demand.cluster, demand.class_name)
-        raw = await self._bounded(
-            "reserve",
-            self._reserve(keys=keys, args=self._args(lease, demand.tokens, demand.limits, False)),
-        )
+        keys = self._keys(demand.cluster, demand.class_name)
+        args = self._args(lease, demand.tokens, demand.limits, False, queue)
+        raw = await self._bounded("reserve", self._reserve(keys=keys, args=args))
         ticket = Ticket(demand.cluster, demand.class_name, demand.tokens, lease, self.store)
         return self._answer(raw, ticket)
 
@@ -338,11 +387,51 @@ class RedisLedger:
         return [_text(x) for reply in raw for x in reply]
 
     async def usage(self, cluster: str, class_name: str, limits: Budget) -> LedgerAnswer:
-        keys = compartment_keys(self.prefix, cluster, class_name)
+        keys = self._keys(cluster, class_name)
         raw = await self._bounded(
             "usage", self._reserve(keys=keys, args=self._args("-", 0, limits, True))
         )
         return self._answer(raw, None)
+
+    # -- flow control's fleet-wide queue (queue.lua) ------------------------------------------
+
+    def new_ticket(self) -> str:
+        """A queue ticket id no other replica uses (queue.lua prefixes its arrival number)."""
+        return f"{self.replica_id}:q{next(self._tickets)}"
+
+    async def join(
+        self,
+        cluster: str,
+        class_name: str,
+        ticket: str,
+        tenant: str,
+        weight: float,
+        tokens: int,
+        max_queue: int,
+    ) -> Joined:
+        """Queue ``ticket`` in the compartment's fleet-wide fair order (unless it is full)."""
+        keys = queue_keys(self.prefix, cluster, class_name)
+        args: list[str | int] = ["join", ticket, tenant, repr(float(weight)), tokens]
+        args += [repr(TICKET_LEASE_S), max_queue, self._idle_ttl_ms]
+        raw = await self._bounded("join", self._queue(keys=keys, args=args))
+        return Joined(
+            int(raw[0]) == 1, int(raw[1]), int(raw[2]), _num(raw[3]), _text(raw[4]), int(raw[5])
+        )
+
+    async def leave(self, cluster: str, class_name: str, ticket: str) -> bool:
+        """Withdraw ``ticket`` (idempotent); when it was the head, the next one is told."""
+        keys = queue_keys(self.prefix, cluster, class_name)
+        state = compartment_keys(self.prefix, cluster, class_name)[0]
+        args = ["leave", ticket, self.freed_channel, state]
+        raw = await self._bounded("leave", self._queue(keys=keys, args=args))
+        return int(raw) == 1
+
+    async def touch(self, cluster: str, class_name: str, tickets: Sequence[str]) -> list[str]:
+        """Renew ``tickets``' leases; returns those no longer queued (lapsed or admitted)."""
+        keys = queue_keys(self.prefix, cluster, class_name)
+        args = ["touch", repr(TICKET_LEASE_S), *tickets]
+        raw = await self._bounded("touch", self._queue(keys=keys, args=args))
+        return [_text(x) for x in raw]
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -353,4 +442,12 @@ def lease_ttl_tick(lease_ttl_s: float) -> float:
     return max(0.05, lease_ttl_s / 3)
 
 
-__all__ = ["IDLE_TTL_S", "RedisLedger", "compartment_keys", "lease_ttl_tick"]
+__all__ = [
+    "IDLE_TTL_S",
+    "TICKET_LEASE_S",
+    "Joined",
+    "RedisLedger",
+    "compartment_keys",
+    "lease_ttl_tick",
+    "queue_keys",
+]

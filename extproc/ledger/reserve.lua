@@ -2,11 +2,22 @@
 -- for the key layout. Time is the Redis server's clock, so every replica shares one time base.
 --
 -- KEYS[1] state hash   KEYS[2] lease expiry zset   KEYS[3] lease tokens hash
+-- KEYS[4..6] the compartment's fleet-wide queue (queue.lua): queue zset, ticket expiry zset,
+--            queue meta hash
 -- ARGV: lease_id, tokens, max_inflight_tokens, max_concurrent, tokens_per_second,
---       burst_tokens, lease_ttl_s, idle_ttl_ms, peek (1 = only report, reserve nothing)
+--       burst_tokens, lease_ttl_s, idle_ttl_ms, peek (1 = only report, reserve nothing),
+--       queue mode ('' = ignore the queue: a charge that follows a failover; '-' = a new
+--       request: it does not pass anyone queued; else the caller's queue ticket: granted only
+--       at the head of the queue), ticket lease_s, freed channel
 -- Returns {granted, inflight_tokens, concurrent, bucket_level, rel_n, rel_tokens, rel_at,
---          rel_since, now}; floats as strings (Redis would truncate Lua numbers to integers).
+--          rel_since, now, queued, queued_tokens, behind (1: refused because another
+--          request heads the queue)}; floats as strings (Redis would truncate Lua numbers to
+--          integers).
 local state, leases, lease_tokens = KEYS[1], KEYS[2], KEYS[3]
+local queue, qexpiry, qmeta = KEYS[4], KEYS[5], KEYS[6]
+local mode = ARGV[10] or ''
+local ticket_lease = tonumber(ARGV[11]) or 0
+local channel = ARGV[12] or ''
 local lease_id = ARGV[1]
 local need = tonumber(ARGV[2])
 local max_tokens = tonumber(ARGV[3])
@@ -53,8 +64,29 @@ if burst > 0 then
   end
 end
 
+-- The queue: lapsed tickets (their replica stopped renewing them) are reaped as in queue.lua.
+local blocked = false
+local queued, queued_tokens = 0, 0
+if queue then
+  local lapsed = redis.call('ZRANGEBYSCORE', qexpiry, '-inf', now, 'LIMIT', 0, 512)
+  for i = 1, #lapsed do
+    redis.call('ZREM', queue, lapsed[i])
+    redis.call('ZREM', qexpiry, lapsed[i])
+    redis.call('HDEL', qmeta, 'k:' .. lapsed[i])
+  end
+  queued = redis.call('ZCARD', queue)
+  if not peek and mode ~= '' and queued > 0 then
+    local head = redis.call('ZRANGE', queue, 0, 0)
+    -- A new request joins behind the waiters; a waiter goes only from the head.
+    blocked = head[1] ~= mode
+    if mode ~= '-' and ticket_lease > 0 then
+      redis.call('ZADD', qexpiry, 'XX', now + ticket_lease, mode)
+    end
+  end
+end
+
 local granted = 0
-if not peek then
+if not peek and not blocked then
   local prior = tonumber(redis.call('HGET', lease_tokens, lease_id))
   if prior and prior < 0 then
     -- Its caller gave up and already cancelled it (release.lua): this call arrived late,
@@ -75,6 +107,33 @@ if not peek then
   end
 end
 
+if granted == 1 and queue and mode ~= '' and mode ~= '-' then
+  local tag = redis.call('ZSCORE', queue, mode)
+  if tag then
+    redis.call('ZREM', queue, mode)
+    redis.call('ZREM', qexpiry, mode)
+    redis.call('HDEL', qmeta, 'k:' .. mode)
+    local vt = tonumber(redis.call('HGET', qmeta, 'vt')) or 0
+    if tonumber(tag) > vt then redis.call('HSET', qmeta, 'vt', tag) end
+    queued = queued - 1
+    if queued == 0 then
+      -- Nobody waits: nothing is owed to any tenant any more (as queue.lua's idle_reset).
+      local kept = redis.call('HMGET', qmeta, 'vt', 'seq')
+      redis.call('DEL', qmeta)
+      redis.call('HSET', qmeta, 'vt', kept[1] or '0', 'seq', kept[2] or '0')
+    elseif channel ~= '' then
+      -- The release may have freed room for more: the next head, on any replica, tries.
+      redis.call('PUBLISH', channel, state)
+    end
+  end
+end
+if queue and queued > 0 then
+  local all = redis.call('ZRANGE', queue, 0, -1)
+  for i = 1, #all do
+    queued_tokens = queued_tokens + (tonumber(redis.call('HGET', qmeta, 'k:' .. all[i])) or 0)
+  end
+end
+
 redis.call('HSET', state, 'tokens', inflight, 'count', count)
 if burst > 0 then
   redis.call('HSET', state, 'level', tostring(level), 'level_at', tostring(now))
@@ -86,4 +145,4 @@ redis.call('PEXPIRE', leases, idle_ttl_ms)
 redis.call('PEXPIRE', lease_tokens, idle_ttl_ms)
 
 return {granted, inflight, count, tostring(level), s[5] or '0', s[6] or '0', s[7] or '0',
-  s[8] or '0', tostring(now)}
+  s[8] or '0', tostring(now), queued, queued_tokens, blocked and 1 or 0}

@@ -46,11 +46,12 @@ from extproc.core.admission import (
 )
 from extproc.core.flow import FairQueue, WaitPolicy
 from extproc.ledger.metrics import LedgerMetrics
-from extproc.redis_client import any_client
+from extproc.ledger.redis import TICKET_LEASE_S
+from extproc.redis_client import any_client, is_cluster_url
 
 if TYPE_CHECKING:
     from extproc.ledger.gate import AdmissionGate
-    from extproc.ledger.redis import RedisLedger
+    from extproc.ledger.redis import Joined, RedisLedger
 
 log = logging.getLogger("extproc.ledger")
 
@@ -58,11 +59,13 @@ Key = tuple[str, str]
 
 
 class Waiter:
-    __slots__ = ("key", "seq", "wake")
+    __slots__ = ("key", "seq", "ticket", "wake")
 
-    def __init__(self, key: Key) -> None:
+    def __init__(self, key: Key, ticket: str | None = None) -> None:
         self.key = key
         self.seq = -1
+        # Its place in the fleet-wide queue (Redis, queue.lua); None: this replica's alone.
+        self.ticket = ticket
         self.wake = asyncio.Event()
 
 
@@ -87,12 +90,25 @@ class Waiters:
         queue = self._queues.get(waiter.key)
         return queue.ahead_of(waiter.seq) if queue is not None else (0, 0)
 
-    def join(self, key: Key, tenant: str, weight: float, tokens: int) -> Waiter:
+    def join(
+        self,
+        key: Key,
+        tenant: str,
+        weight: float,
+        tokens: int,
+        joined: Joined | None = None,
+    ) -> Waiter:
+        """Queue a waiter; ``joined``: its place in the fleet-wide queue (then this replica's
+        waiters keep the fleet-wide order, so its local head is the first of them there)."""
         queue = self._queues.get(key)
         if queue is None:
             queue = self._queues[key] = FairQueue()
-        waiter = Waiter(key)
-        waiter.seq = queue.push(waiter, tenant, weight, tokens)
+        if joined is None:
+            waiter = Waiter(key)
+            waiter.seq = queue.push(waiter, tenant, weight, tokens)
+        else:
+            waiter = Waiter(key, joined.ticket)
+            waiter.seq = queue.push(waiter, tenant, weight, tokens, joined.tag, joined.order)
         self._m.queue_depth.labels(*key).set(len(queue))
         return waiter
 
@@ -126,6 +142,15 @@ class Waiters:
         if head is not None:
             head.wake.set()
 
+    def tickets(self) -> dict[Key, list[str]]:
+        """The fleet-wide queue tickets of this replica's waiters, per (cluster, class)."""
+        out: dict[Key, list[str]] = {}
+        for key, queue in self._queues.items():
+            held = [w.ticket for w in queue if w.ticket is not None]
+            if held:
+                out[key] = held
+        return out
+
     def __len__(self) -> int:
         return sum(len(q) for q in self._queues.values())
 
@@ -145,6 +170,8 @@ class Queued:
     started: float
     answer: LedgerAnswer
     done: bool = False
+    # Admitted by the Redis ledger, which took its ticket off the fleet-wide queue itself.
+    _granted_shared: bool = False
 
     @property
     def max_wait_s(self) -> float:
@@ -155,6 +182,9 @@ class Queued:
             return
         self.done = True
         self.gate.waiters.leave(self.waiter)
+        ticket = self.waiter.ticket
+        if ticket is not None and not self._granted_shared:
+            self.gate.leave_shared(self.demand.cluster, self.demand.class_name, ticket)
         m = self.gate.metrics
         m.waits.labels(self.demand.class_name, result).inc()
         m.wait_seconds.labels(self.demand.class_name, result).observe(
@@ -177,8 +207,9 @@ class Queued:
                 now = self.clock()
                 nap = deadline - now
                 if waiters.is_head(waiter):
-                    attempt = await self.gate.attempt(self.demand)
+                    attempt = await self.gate.attempt(self.demand, ticket=waiter.ticket)
                     if isinstance(attempt.outcome, Admitted):
+                        self._granted_shared = attempt.outcome.ticket.store != "memory"
                         self._finish("admitted")
                         return attempt.outcome
                     if attempt.answer is None:  # the closed policy's 503
@@ -190,6 +221,11 @@ class Queued:
                     nap = deadline - now
                     if nap > 0 and self.gate.polls_shared:
                         nap = min(nap, self.poll_s)
+                    if attempt.answer.behind:
+                        # Another replica's waiter heads the fleet-wide queue. Its admission
+                        # or withdrawal is announced; its replica's death is not: its ticket
+                        # lapses within a lease, so look again by then.
+                        nap = min(nap, TICKET_LEASE_S)
                     if nap > 0 and attempt.outcome.reason is Reason.TOKEN_RATE:
                         refill = queued_wait(attempt.demand, attempt.answer)
                         nap = min(nap, max(0.001, refill))
@@ -234,8 +270,9 @@ async def listen_for_releases(
     """Turn the shared ledger's release notices into wake-ups, until cancelled.
 
     Reconnects after ``retry_s`` on any Redis error; a notice missed meanwhile is covered by
-    the head's periodic re-check. A client without pub/sub (the Redis Cluster client) leaves
-    waiters to that re-check alone.
+    the head's periodic re-check. On Redis Cluster the subscription is classic pub/sub on one
+    node: Redis Cluster forwards every PUBLISH to all nodes, so a release on any shard reaches
+    it (tests/stream/test_flow.py). A client without pub/sub leaves waiters to the re-check.
     """
 
     def connect() -> Any:
@@ -255,8 +292,13 @@ async def listen_for_releases(
     warned = False
     while True:
         client = connect()
-        pubsub = client.pubsub()
+        pubsub: Any = None
         try:
+            if client is not shared.client and is_cluster_url(shared.url or ""):
+                # The cluster client learns the slot map only when initialized; its pub/sub
+                # needs it to pick a node (any node: a PUBLISH reaches the whole cluster).
+                await client.initialize()
+            pubsub = client.pubsub()
             await pubsub.subscribe(shared.freed_channel)
             if subscribed is not None:
                 subscribed.set()
@@ -280,8 +322,9 @@ async def listen_for_releases(
                     extra={"error": f"{type(exc).__name__}: {exc}"},
                 )
         finally:
-            with contextlib.suppress(RedisError, OSError):
-                await asyncio.shield(pubsub.aclose())
+            if pubsub is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await asyncio.shield(pubsub.aclose())
             if client is not shared.client:
                 with contextlib.suppress(RedisError, OSError):
                     await asyncio.shield(client.aclose())

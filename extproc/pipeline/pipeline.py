@@ -671,7 +671,7 @@ class Pipeline:
                 return placed
         header = runtime.flow.tenant_header
         tenant = (headers.get(header) if header else None) or facts.tier or ""
-        return gate.queue(
+        return await gate.queue(
             planned,
             attempt,
             cls.wait,

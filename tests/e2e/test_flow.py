@@ -1,10 +1,11 @@
 """Flow control through a real Envoy, two processor replicas sharing one Redis ledger: place,
 then wait, then refuse (extproc/core/flow.py, ARCHITECTURE.md "Flow control").
 
-The long class admits ONE request per cluster fleet-wide, waits up to 20 s, four waiters per
-replica. Each long request holds its budget ~0.8 s on the simulated cluster. The waiters' Redis
-re-check runs every 30 s only, so a waiter admitted within seconds was woken by a release
-notice, usually published by the other replica. Envoy's message timer is the rendered default
+The long class admits ONE request per cluster fleet-wide, waits up to 20 s, four waiters in the
+fleet-wide queue (one Redis queue for both replicas, extproc/ledger/queue.lua). Each long
+request holds its budget ~0.8 s on the simulated cluster. The waiters' Redis re-check runs every
+30 s only, so a waiter admitted within seconds was woken by a release notice, usually published
+by the other replica. Envoy's message timer is the rendered default
 (processor.message_timeout_ms, 2 s; Envoy's own default is 200 ms): every wait of several
 seconds below outlives both, which works only because the processor re-arms the timer
 (override_message_timeout, within the rendered max_message_timeout).
@@ -37,7 +38,7 @@ CHAT = "/v1/chat/completions"
 SIM_ARGS = ("--time-scale", "1", "--prefill-tps", "1000000", "--decode-tps", "20")
 LONG_OUTPUT = 16
 MAX_WAIT_S = 20.0
-MAX_QUEUE = 4  # per replica
+MAX_QUEUE = 4  # fleet-wide: both replicas share one queue in Redis
 CLASSES: list[dict[str, Any]] = [
     {"name": "short", "max_input_tokens": 64, "budget": {"max_concurrent": 64}},
     {
@@ -139,7 +140,7 @@ def test_burst_within_max_wait_is_served_without_retries(stack: FleetStack) -> N
         status, headers, _ = post(stack, sid, long_body(f"warm {turn}"))
         assert status == 200 and headers["x-served-by"] == primary, dump_logs(stack)
     admitted_before = metric(stack, "fleet_flow_waits_total", result="admitted")
-    # One runs, four wait: they fit one replica's queue however Envoy spreads the streams.
+    # One runs, four wait: they fit the fleet-wide queue however Envoy spreads the streams.
     burst = 1 + MAX_QUEUE
     client = openai.OpenAI(api_key="t", base_url=f"{stack.url}/v1", max_retries=0, timeout=60)
 
@@ -210,7 +211,7 @@ def test_burst_beyond_max_queue_gets_immediate_429s_with_honest_hints(stack: Fle
     runtime = load_runtime(stack.fleet_path)
     sid = "burst-agent"  # known session, releases observed by the previous test
     ranked(runtime, sid)
-    burst = 2 + 2 * MAX_QUEUE + 4  # more than both replicas' queues can hold
+    burst = 2 + 2 * MAX_QUEUE + 4  # more than the queue can hold
     with ThreadPoolExecutor(burst) as pool:
         started = time.monotonic()
         futures = [pool.submit(post, stack, sid, long_body(f"over {i}")) for i in range(burst)]
@@ -268,8 +269,7 @@ def test_clients_leaving_the_queue_leave_nothing_held(stack: FleetStack) -> None
             10,
             "the holder admitted",
         )
-        # Two more turns join the queue (MAX_QUEUE per replica: fits even if both streams go to
-        # the same replica); their clients hang up while waiting.
+        # Two more turns join the queue (within MAX_QUEUE); their clients hang up while waiting.
         socks = []
         body = long_body("leaver")
         for _ in range(2):

@@ -6,6 +6,7 @@ refused at once, timeouts answered with an updated hint."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -13,16 +14,22 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from extproc.config import compile_runtime, parse_config
 from extproc.config.runtime import Overrides
+from extproc.core.admission import Demand
 from extproc.core.facts import RequestFacts, parse_request
+from extproc.core.fleet import Budget
+from extproc.core.flow import FairQueue
 from extproc.ledger.gate import build_gate
+from extproc.ledger.redis import TICKET_LEASE_S, RedisLedger
 from extproc.metrics import Metrics
 from extproc.pipeline.outcomes import Rejected, Routed, Waiting
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisClusterServers, RedisServer
 
 CHAT = "/v1/chat/completions"
 
@@ -242,13 +249,14 @@ def server() -> Iterator[RedisServer]:
 
 
 async def wake_latency(
-    server: RedisServer, poll_ms: int, rounds: int
+    server: RedisServer | RedisClusterServers, poll_ms: int, rounds: int, timeout_ms: int = 1000
 ) -> tuple[list[float], dict[str, float]]:
     """Two replicas sharing one Redis ledger: a request waits on B, A releases; the time from
     A's release to B's admission, per round. ``poll_ms`` large = pub/sub alone."""
     d = doc(wait_s=30.0)
     d["flow"]["redis_poll_ms"] = poll_ms
-    d["redis"] = {"timeout_ms": 1000}
+    # The gate waits up to 4 x timeout_ms at start for its release subscription.
+    d["redis"] = {"timeout_ms": timeout_ms}
     a, gate_a, _ = await make(d, server.url)
     b, gate_b, registry_b = await make(d, server.url)
     sid = session_on(a, "c1", "r")
@@ -284,3 +292,176 @@ async def test_replicas_sharing_redis_wake_waiters_fleet_wide(server: RedisServe
     waits, counts = await wake_latency(server, poll_ms=30_000, rounds=5)
     assert counts == {"admitted": 5, "timeout": 0}
     assert max(waits) < 5.0, waits  # far below the 30 s poll: woken by pub/sub
+
+
+def notices_only(max_queue: int = 8) -> dict[str, Any]:
+    """Waiters are woken by release notices alone (the periodic re-check every 30 s), so an
+    order seen within a test's bounds is the queue's."""
+    d = doc(wait_s=30.0, max_queue=max_queue)
+    d["flow"]["redis_poll_ms"] = 30_000
+    d["redis"] = {"timeout_ms": 1000}
+    return d
+
+
+async def test_replicas_on_a_redis_cluster_wake_waiters_by_notices() -> None:
+    # A release on any shard reaches the subscriber (Redis Cluster forwards every PUBLISH).
+    with RedisClusterServers(masters=3, replicas=0) as cluster:
+        # A cluster client first learns the slot map: allow a slow start on a loaded machine.
+        waits, counts = await wake_latency(cluster, poll_ms=30_000, rounds=3, timeout_ms=3000)
+    assert counts == {"admitted": 3, "timeout": 0}
+    assert max(waits) < 5.0, waits  # far below the 30 s poll: woken by pub/sub
+
+
+async def two_replicas(
+    server: RedisServer, max_queue: int = 8
+) -> tuple[tuple[Pipeline, Any, Any], tuple[Pipeline, Any, Any]]:
+    """Two gates sharing one Redis ledger."""
+    d = notices_only(max_queue)
+    return await make(d, server.url), await make(d, server.url)
+
+
+async def test_queue_is_fleet_wide_in_order_and_length(server: RedisServer) -> None:
+    (a, gate_a, _), (b, gate_b, registry_b) = await two_replicas(server, max_queue=4)
+    try:
+        sid = session_on(a, "c1", "q")
+        first = await a.decide(headers(sid), BODY, 1.0)
+        assert isinstance(first, Routed) and first.hold.ticket is not None
+        order: list[str] = []
+
+        async def waiter(pipeline: Pipeline, name: str, tenant: str) -> tuple[Pipeline, Routed]:
+            outcome = await pipeline.decide(headers(sid, tenant), BODY, 2.0)
+            assert isinstance(outcome, Routed), outcome
+            order.append(name)
+            return pipeline, outcome
+
+        # Arrivals alternate between the replicas, each after the previous one queued.
+        # Tenant x thrice, y once (equal weights): fair order x1, y1 (tied with x1's tag,
+        # after it by arrival), x2, x3, whichever replica each waits on.
+        arrivals = [(a, "x1@a", "x"), (b, "x2@b", "x"), (a, "x3@a", "x"), (b, "y1@b", "y")]
+        tasks = []
+        for i, (pipeline, name, tenant) in enumerate(arrivals, 1):
+            tasks.append(asyncio.create_task(waiter(pipeline, name, tenant)))
+            await wait_until(lambda i=i: len(gate_a.waiters) + len(gate_b.waiters) == i)
+        # max_queue counts both replicas' waiters: a fifth overflows on either replica,
+        # although each holds only two.
+        for pipeline in (a, b):
+            overflow = await pipeline.decide(headers(sid, "z"), BODY, 2.0)
+            assert isinstance(overflow, Rejected) and overflow.reject.status == 429
+            assert "4 requests already wait" in overflow.reject.message, overflow.reject
+        holder: tuple[Pipeline, Routed] = (a, first)
+        for served in range(1, 5):
+            await holder[0].release(holder[1].hold)
+            done, _ = await asyncio.wait(tasks, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            assert len(done) == 1, order  # one release, one admission, fleet-wide
+            finished = done.pop()
+            tasks.remove(finished)
+            holder = finished.result()
+            assert len(order) == served
+        await holder[0].release(holder[1].hold)
+        assert order == ["x1@a", "y1@b", "x2@b", "x3@a"]
+        assert gate_a.held == 0 and gate_b.held == 0
+        assert len(gate_a.waiters) == 0 and len(gate_b.waiters) == 0
+        assert sample(registry_b, "fleet_flow_waits_total", request_class="long", result="overflow")
+    finally:
+        await gate_a.close()
+        await gate_b.close()
+
+
+async def test_dead_replicas_waiters_lapse_and_stop_blocking(server: RedisServer) -> None:
+    a, gate_a, _ = await make(notices_only(), server.url)
+    dead = RedisLedger.from_url(server.url, timeout_s=1.0)
+    try:
+        sid = session_on(a, "c1", "d")
+        first = await a.decide(headers(sid), BODY, 1.0)
+        assert isinstance(first, Routed)
+        # A replica that queued a request and died: its ticket is never renewed nor withdrawn.
+        ghost = await dead.join("c1", "long", dead.new_ticket(), "t", 1.0, 1, 8)
+        joined = time.monotonic()
+        assert ghost.joined and ghost.ahead == 0
+        await dead.close()
+        survivor = asyncio.create_task(a.decide(headers(sid), BODY, 2.0))
+        await wait_until(lambda: gate_a.waiters.depth("c1", "long") == 1)
+        await a.release(first.hold)
+        # Behind the ghost until its lease lapses; then admitted (the waiter re-checks once a
+        # lease while someone else heads the queue, far below the 30 s re-check).
+        admitted = await asyncio.wait_for(survivor, timeout=TICKET_LEASE_S + 10)
+        waited = time.monotonic() - joined
+        assert isinstance(admitted, Routed)
+        assert TICKET_LEASE_S - 0.5 <= waited < TICKET_LEASE_S + 5.0, waited
+        await a.release(admitted.hold)
+        assert gate_a.held == 0
+    finally:
+        await gate_a.close()
+
+
+@pytest.fixture(scope="module")
+def module_redis() -> Iterator[RedisServer]:
+    with RedisServer() as srv:
+        yield srv
+
+
+Op = tuple[str, int]  # ("join", tenant) | ("serve", 0) | ("leave", nth live waiter)
+WEIGHTS = (1.0, 2.0, 0.5)  # tenant i's weight
+
+ops_strategy = st.lists(
+    st.one_of(
+        st.tuples(st.just("join"), st.integers(0, len(WEIGHTS) - 1)),
+        st.tuples(st.just("serve"), st.just(0)),
+        st.tuples(st.just("leave"), st.integers(0, 7)),
+    ),
+    min_size=1,
+    max_size=40,
+)
+EXAMPLES = itertools.count()
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(ops=ops_strategy)
+def test_fleet_wide_queue_serves_in_the_fair_queues_order(
+    module_redis: RedisServer, ops: list[Op]
+) -> None:
+    """queue.lua and reserve.lua put every replica's waiters in the order of the core's
+    FairQueue (FIFO per tenant, weighted fair across tenants), so its fairness bound
+    (tests/unit/test_flow.py) holds fleet-wide: joins from two replicas, admissions of the
+    head and withdrawals in any order give the same service order as one FairQueue."""
+    asyncio.run(_same_order_as_fair_queue(module_redis.url, ops, f"fq{next(EXAMPLES)}"))
+
+
+async def _same_order_as_fair_queue(url: str, ops: list[Op], prefix: str) -> None:
+    replicas = [RedisLedger.from_url(url, prefix=prefix, timeout_s=2.0) for _ in range(2)]
+    model: FairQueue[str] = FairQueue()
+    ids: dict[str, int] = {}  # ticket -> model id
+    live: list[str] = []
+    unbounded = Demand("c1", "long", 1, Budget(), Budget())
+    try:
+        for step, (op, arg) in enumerate(ops):
+            ledger = replicas[step % 2]
+            if op == "join":
+                joined = await ledger.join(
+                    "c1", "long", ledger.new_ticket(), f"t{arg}", WEIGHTS[arg], 1, 1000
+                )
+                assert joined.joined
+                ids[joined.ticket] = model.push(joined.ticket, f"t{arg}", WEIGHTS[arg])
+                live.append(joined.ticket)
+                assert joined.tag == model._ids[ids[joined.ticket]].tag
+            elif op == "serve" and live:
+                head = model.head()
+                assert head is not None
+                for other in live:
+                    if other != head:  # nobody but the head gets in
+                        refused = await ledger.reserve(unbounded, queue=other)
+                        assert not refused.granted and refused.behind
+                granted = await ledger.reserve(unbounded, queue=head)
+                assert granted.granted and granted.ticket is not None
+                await ledger.release(granted.ticket)
+                assert model.pop() == head
+                live.remove(head)
+            elif op == "leave" and live:
+                gone = live.pop(arg % len(live))
+                assert await ledger.leave("c1", "long", gone)
+                assert model.remove(ids[gone])
+            peek = await ledger.usage("c1", "long", Budget())
+            assert peek.queued == len(model) == len(live)
+    finally:
+        for ledger in replicas:
+            await ledger.close()
