@@ -59,14 +59,30 @@ def _header_map(headers: Any) -> dict[str, str]:
     return out
 
 
+# Envoy ends every ext_proc stream with a half-close followed at once by a reset
+# (ExternalProcessorStreamImpl::close: closeStream() then resetStream()). A handler that returns
+# at the half-close makes grpc.aio send a status on a call the reset has just cancelled; that
+# batch fails, and grpc.aio leaks its grpc_op array (grpc/grpc#43360, unfixed in grpcio 1.85.3).
+# Measured with a grpc.aio server and a client that half-closes then cancels, as Envoy does:
+# ~50 B of RSS per stream when returning, ~9 B when waiting for the reset (7 B for a client that
+# half-closes and reads the status); through Envoy it was the soak's steady RSS growth
+# (RELIABILITY.md, defect 3). Waiting this long after the half-close lets the reset end the call.
+# A peer that half-closes and waits for the status gets it this much later.
+ENVOY_RESET_LINGER_S = 0.05
+
+
 class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(
         self,
         pipeline: Pipeline,
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
+        reset_linger_s: float = 0.0,
     ) -> None:
         self.pipeline = pipeline
+        # See ENVOY_RESET_LINGER_S: serve passes it; in-process callers that half-close and wait
+        # for the status (tests, the fuzz harness) keep 0.
+        self._reset_linger_s = reset_linger_s
         # Unix time, for the RFC 3339 resets of Anthropic's rate-limit headers.
         self._wall_clock = wall_clock
         self._metrics = pipeline.metrics
@@ -119,6 +135,10 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         yield self._answer(state, outcome, responses.CONTINUE_BODY)
                     continue
                 yield answer
+            if self._reset_linger_s > 0:
+                # The peer half-closed. Envoy resets right behind its half-close: wait for that
+                # reset to cancel us instead of answering with a status (ENVOY_RESET_LINGER_S).
+                await asyncio.sleep(self._reset_linger_s)
         except asyncio.CancelledError:
             # Envoy cancels the stream when the client or upstream aborts: an ordinary end.
             raise

@@ -53,7 +53,7 @@ from extproc.pipeline.fleet_state import FleetState, RedisSessions
 from extproc.pipeline.model_discovery import ModelDiscovery
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
-from extproc.protocol.server import FleetProcessor
+from extproc.protocol.server import ENVOY_RESET_LINGER_S, FleetProcessor
 from extproc.protocol.xds import ClusterDiscovery, EndpointDiscovery
 from extproc.redis_client import bounded_client
 from extproc.redis_health import RedisHealth
@@ -367,7 +367,7 @@ class Service:
         cfg = self.holder.current.config
         reuse = self.opts.workers > 1
         server = grpc.aio.server(options=grpc_options(cfg.processor.max_body_bytes, reuse))
-        processor = FleetProcessor(self.pipeline, self.clock)
+        processor = FleetProcessor(self.pipeline, self.clock, reset_linger_s=ENVOY_RESET_LINGER_S)
         ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.xds is not None and self.eds is not None:

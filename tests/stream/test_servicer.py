@@ -90,7 +90,7 @@ async def start() -> AsyncIterator[Callable[..., Awaitable[Processor]]]:
     servers: list[grpc.aio.Server] = []
     channels: list[grpc.aio.Channel] = []
 
-    async def _start(**processor: Any) -> Processor:
+    async def _start(reset_linger_s: float = 0.0, **processor: Any) -> Processor:
         cfg = parse_config(load_canonical(**processor), "compose/fleet.yaml")
         runtime = compile_runtime(cfg)
         registry = CollectorRegistry()
@@ -98,7 +98,10 @@ async def start() -> AsyncIterator[Callable[..., Awaitable[Processor]]]:
         options = grpc_options(cfg.processor.max_body_bytes)
         server = grpc.aio.server(options=options)
         ep_grpc.add_ExternalProcessorServicer_to_server(
-            FleetProcessor(Pipeline(RuntimeHolder(runtime), metrics)), server
+            FleetProcessor(
+                Pipeline(RuntimeHolder(runtime), metrics), reset_linger_s=reset_linger_s
+            ),
+            server,
         )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -534,3 +537,44 @@ async def test_metrics_count_outcomes_by_api_and_class(
         len(b) for b in (chat("q0"), chat("q1"), chat("q2"), medium, b"[]")
     )
     await wait_for_gauge(proc, "fleet_extproc_streams_active", 0)
+
+
+async def _streams_active(proc: Processor, want: float, within_s: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while asyncio.get_running_loop().time() < deadline:
+        if proc.sample("fleet_extproc_streams_active") == want:
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def test_envoy_half_close_then_reset_ends_the_stream_without_waiting_out_the_linger(
+    start: Callable[..., Awaitable[Processor]],
+) -> None:
+    """Envoy's close is a half-close followed at once by a reset. With serve's linger the handler
+    waits for that reset instead of sending a status (which grpc.aio leaks on a cancelled
+    call): the reset, not the linger, ends the stream."""
+    proc = await start(reset_linger_s=60.0)
+    call = proc.stub.Process()
+    await asyncio.wait_for(call.write(headers_msg(CHAT)), STEP_TIMEOUT)
+    await asyncio.wait_for(call.read(), STEP_TIMEOUT)
+    await asyncio.wait_for(call.write(body_msg(chat("hello"))), STEP_TIMEOUT)
+    answer = await asyncio.wait_for(call.read(), STEP_TIMEOUT)
+    routed(answer)
+    await asyncio.wait_for(call.done_writing(), STEP_TIMEOUT)
+    # Half-closed: the processor lingers (60 s here) instead of answering with a status.
+    assert await _streams_active(proc, 1.0, 5.0)
+    call.cancel()
+    assert await _streams_active(proc, 0.0, 10.0), "the reset did not end the lingering stream"
+
+
+async def test_a_peer_that_waits_for_the_status_gets_ok_after_the_linger(
+    start: Callable[..., Awaitable[Processor]],
+) -> None:
+    proc = await start(reset_linger_s=0.2)
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    answers = await exchange(proc, [headers_msg(CHAT), body_msg(chat("hello"))])
+    routed(answers[1])
+    assert loop.time() - began >= 0.2
+    assert await _streams_active(proc, 0.0, 10.0)
