@@ -29,6 +29,7 @@ uses the unkeyed digest, so it is the same on every replica whatever secret each
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 from collections.abc import Mapping
@@ -248,7 +249,15 @@ def header_session_key(headers: Mapping[str, str], rules: KeyRules) -> SessionKe
     value = headers.get(rules.header)
     if not value:
         return None
-    return hash_key(KeySource.HEADER, value.encode("utf-8", "surrogatepass"), rules.label_secret)
+    return _header_key(value, rules.label_secret)
+
+
+@functools.lru_cache(maxsize=4096)
+def _header_key(value: str, label_secret: bytes) -> SessionKey:
+    # A session sends many turns (an agent, hundreds): its key, a BLAKE2b and an HMAC, is
+    # computed once per process while it is active, not on every request. Bounded: a client
+    # sending a new id every time only churns the cache.
+    return hash_key(KeySource.HEADER, value.encode("utf-8", "surrogatepass"), label_secret)
 
 
 def derive_session_key(

@@ -34,7 +34,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from random import Random
-from typing import Literal
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -147,6 +147,9 @@ class AdmissionGate:
         self._health = health or RedisHealth(probe_interval_s)
         self._health.subscribe(self._health_changed)
         self._held: dict[str, Ticket] = {}
+        # The "unbudgeted" admission counter by class, resolved once: labels() costs more than
+        # the increment, on every request of a class without a budget.
+        self._unbudgeted: dict[str, Any] = {}
         # (cluster, class) -> [tokens, requests] this replica holds in Redis.
         self._redis_held: dict[tuple[str, str], list[int]] = {}
         # lease -> (cluster, class): reserves to cancel, releases to deliver, once Redis answers.
@@ -230,7 +233,13 @@ class AdmissionGate:
         """Reserve budget for one request on its primary cluster. Never raises for Redis."""
         planned = plan(request_tokens(facts), route)
         if planned is None:
-            self._m.admissions.labels(route.request_class.name, "unbudgeted").inc()
+            name = route.request_class.name
+            counter = self._unbudgeted.get(name)
+            if counter is None:
+                if len(self._unbudgeted) >= 4096:  # class names come from reloads: bound it
+                    self._unbudgeted.clear()
+                counter = self._unbudgeted[name] = self._m.admissions.labels(name, "unbudgeted")
+            counter.inc()
             return None
         if isinstance(planned, Reject):
             self._count_reject(planned)

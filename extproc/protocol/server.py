@@ -52,11 +52,12 @@ Handler = Callable[[StreamState, Any], Awaitable[ep.ProcessingResponse | Waiting
 
 
 def _header_map(headers: Any) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for h in headers.headers:
-        # Envoy sends raw_value (bytes); older versions used value.
-        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-    return out
+    # Envoy sends raw_value (bytes); older versions used value. A comprehension: this runs for
+    # every request, over every header.
+    return {
+        h.key: (raw.decode("utf-8", "replace") if (raw := h.raw_value) else h.value)
+        for h in headers.headers
+    }
 
 
 # Envoy ends every ext_proc stream with a half-close followed at once by a reset
@@ -88,8 +89,11 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._metrics = pipeline.metrics
         self._active = 0
         self._answers = responses.RouteAnswers()
-        # The header path's mode override for the runtime it was built from.
-        self._skip_for: object = None
+        # Per runtime (built again after a reload): the answer to an inference request's
+        # headers while its body is awaited, and the header path's mode override. Both follow
+        # the response phases the runtime reads, a property computed over every class.
+        self._phases_for: object = None
+        self._await_body = responses.CONTINUE_HEADERS
         self._skip = responses.SKIP_REQUEST_BODY[False, False]
         self._clock = clock
         # The whole phase contract, in one table. Phases we never ask Envoy for (see the
@@ -207,8 +211,19 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _awaiting_body(self) -> ep.ProcessingResponse:
         """The answer to an inference request's headers while its body is awaited."""
+        self._phase_answers()
+        return self._await_body
+
+    def _phase_answers(self) -> None:
         runtime = self.pipeline.runtime
-        return responses.continue_inference_headers(runtime.response_phases, runtime.inspect_usage)
+        if runtime is self._phases_for:
+            return
+        phases, usage = runtime.response_phases, runtime.inspect_usage
+        # The override asks for the response phases the processor reads (the rendered filter
+        # skips them), as continue_inference_headers does on the body path.
+        self._await_body = responses.continue_inference_headers(phases, usage)
+        self._skip = responses.SKIP_REQUEST_BODY[phases, usage]
+        self._phases_for = runtime
 
     def _header_answer(self, state: StreamState, outcome: Outcome) -> ep.ProcessingResponse:
         """The answer to the headers message for an outcome decided there."""
@@ -220,12 +235,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             # answers its body message (or its trailers, for a body-less request).
             state.deferred = self._answer(state, outcome, responses.CONTINUE_HEADERS)
             return responses.CONTINUE_HEADERS
-        runtime = self.pipeline.runtime
-        if runtime is not self._skip_for:
-            # The override asks for the response phases the processor reads (the rendered
-            # filter skips them; responses.continue_inference_headers on the body path).
-            self._skip_for = runtime
-            self._skip = responses.SKIP_REQUEST_BODY[runtime.response_phases, runtime.inspect_usage]
+        self._phase_answers()
         return self._answer(state, outcome, responses.CONTINUE_HEADERS, self._skip)
 
     async def _on_request_body(
