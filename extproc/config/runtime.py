@@ -141,6 +141,16 @@ class Runtime:
         budgets = any(c.budget.enforced for c in self.policy.all_classes())
         return self.affinity.enabled or self.inspect_usage or budgets or self.pd is not None
 
+    @property
+    def probes_clusters(self) -> bool:
+        """Whether the processor probes every endpoint to place around a dead primary
+        (processor.probe_clusters; by default when a class has a budget, so a secondary's
+        budget holds while it carries a dead primary's sessions)."""
+        setting = self.config.processor.probe_clusters
+        if setting is None:
+            return any(c.budget.enforced for c in self.policy.all_classes())
+        return setting
+
 
 def compile_runtime(
     cfg: FleetConfig, raw: bytes | None = None, overrides: Overrides | None = None

@@ -88,10 +88,14 @@ class ProcessorConfig(Strict):
     inspect_usage: bool = False
     # Probe every endpoint's health_path each second (as endpoint_picker mode always does) and
     # place a request whose hash primary has no ready endpoint on the next ready cluster
-    # directly, charging that cluster's budget from the start. Without probing, a request
-    # Envoy fails over is still charged to the cluster that served it once its response
-    # begins (its budget is then exceeded by the failed-over requests admitted meanwhile).
-    probe_clusters: bool = False
+    # directly, charging that cluster's budget from the start. None (the default): on when any
+    # class has a budget, the case where the charge matters. Without probing, a request Envoy
+    # fails over is still charged to the cluster that served it once its response begins, and
+    # the secondary's budget is exceeded meanwhile by up to the dead primary's class budget.
+    # The prober follows Envoy's own health check: out at a refused connection or at the second
+    # failed probe in a row, back at the first success (pipeline/endpoint_health.py). It only
+    # steers new requests; nothing running is ended or moved.
+    probe_clusters: bool | None = None
     # when_needed: a request whose decision needs nothing from its body (it carries the trusted
     # session header and a content-length) is decided at its headers, and Envoy is told not to
     # send the body (one ext_proc exchange, no body copy). Its body is then not checked: bad

@@ -144,7 +144,7 @@ class Service:
         # whose prefill choice skips dead prefillers (the sidecar would fall back to decode-only).
         if (
             runtime.endpoint_picker
-            or runtime.config.processor.probe_clusters
+            or runtime.probes_clusters
             or runtime.pd is not None
         ):
             self.endpoint_health = EndpointHealth(runtime.endpoints, _health_paths(runtime))

@@ -47,3 +47,34 @@ async def test_refused_is_out_at_once_a_slow_probe_only_twice_in_a_row() -> None
     finally:
         await prober.close()
         await runner.cleanup()
+
+
+async def test_a_flapping_probe_never_takes_a_live_endpoint_out() -> None:
+    """Health flapping under load (every other probe times out) moves no traffic: only two
+    failures in a row take an answering endpoint out, and one success resets the count."""
+    slow = {"on": False}
+
+    async def health(_request: web.Request) -> web.Response:
+        if slow["on"]:
+            await asyncio.sleep(1.0)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    live = f"127.0.0.1:{port}"
+    prober = EndpointHealth({"c1": (live,)}, {}, interval_s=3600, timeout_s=0.2)
+    try:
+        await prober.start()
+        seen = []
+        for round_no in range(8):
+            slow["on"] = round_no % 2 == 0
+            await prober.probe_all()
+            seen.append(live in prober.ready)
+        assert seen == [True] * 8
+    finally:
+        await prober.close()
+        await runner.cleanup()

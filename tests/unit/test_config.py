@@ -380,3 +380,17 @@ def test_session_settings_reach_the_key_rules() -> None:
     assert rules.tier_header == "x-tier"
     assert rules.first_message_chars == 10
     assert rules.system_chars == 0
+
+
+def test_clusters_are_probed_by_default_exactly_when_a_class_has_a_budget() -> None:
+    """processor.probe_clusters unset: probing is on when a budget's charge matters (a
+    secondary's budget must hold during a primary outage); an explicit value always wins."""
+    assert not compile_runtime(parse_config(base())).probes_clusters
+    budgeted = base()
+    budgeted["classes"][1]["budget"] = {"max_concurrent": 4}
+    assert compile_runtime(parse_config(budgeted)).probes_clusters
+    budgeted["processor"] = {"probe_clusters": False}
+    assert not compile_runtime(parse_config(budgeted)).probes_clusters
+    plain = base()
+    plain["processor"] = {"probe_clusters": True}
+    assert compile_runtime(parse_config(plain)).probes_clusters
