@@ -142,11 +142,7 @@ class Service:
         self.endpoint_health: EndpointHealth | None = None
         # Endpoint picking and probe_clusters need every endpoint's readiness; so does P/D,
         # whose prefill choice skips dead prefillers (the sidecar would fall back to decode-only).
-        if (
-            runtime.endpoint_picker
-            or runtime.probes_clusters
-            or runtime.pd is not None
-        ):
+        if runtime.endpoint_picker or runtime.probes_clusters or runtime.pd is not None:
             self.endpoint_health = EndpointHealth(runtime.endpoints, _health_paths(runtime))
         self.pipeline = Pipeline(
             self.holder,
