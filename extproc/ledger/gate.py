@@ -13,9 +13,11 @@ The gate owns the policy for an unreachable Redis: ``local`` admits against this
 share of each budget (budget / replicas) in memory, ``closed`` rejects with 503. Every Redis
 call is bounded by ``redis.timeout_ms``; after a failure the gate stays local for
 ``probe_interval_s`` and then tries Redis again (admissions or the background tick), so it
-goes back to the shared budget as soon as Redis answers. Reservations taken locally are
-released locally. While both kinds are held (just after Redis comes back) a compartment can
-briefly exceed its budget by what the local shares admitted (RELIABILITY.md states and
+goes back to the shared budget as soon as Redis answers. Reservations taken locally are then
+adopted: written into Redis under a Redis lease of their own (unconditionally: the requests
+are running), renewed and released there, so the other replicas see them. Until adoption ends
+(one round trip per local reservation, started when Redis is seen up again) a compartment can
+exceed its budget by at most what the local shares admitted (RELIABILITY.md states and
 measures the bound).
 
 No phantoms: a reserve's lease id is chosen before the call. When the call times out, fails
@@ -162,6 +164,9 @@ class AdmissionGate:
         self._series_cache: dict[tuple[str, str, str], _Series] = {}
         self._renewer: asyncio.Task[None] | None = None
         self._toucher: asyncio.Task[None] | None = None
+        self._adopting: asyncio.Task[None] | None = None
+        # One adoption at a time: two would write two Redis copies of one reservation.
+        self._adopt_lock = asyncio.Lock()
         self._background: set[asyncio.Task[None]] = set()
         self._throttle = _LogThrottle(clock, LOG_INTERVAL_S)
         self._m.set_mode(self.mode)
@@ -462,12 +467,14 @@ class AdmissionGate:
         budget is counted (``over_budget``); new requests see it and are refused until it
         ends. The token-rate bucket is not charged twice (the admission drew from it).
         """
-        if ticket.cluster == cluster or ticket.lease not in self._held:
+        held = self._held.get(ticket.lease)
+        if ticket.cluster == cluster or held is None:
             return ticket
         # No caps: what is reserved is exactly this request's tokens and one request.
         demand = Demand(cluster, ticket.class_name, ticket.tokens, budget, Budget())
         answer: LedgerAnswer | None = None
-        if ticket.store != self._local.store and self._shared is not None and self._redis_due():
+        # The held ticket's ledger (a local one may have been adopted into Redis since).
+        if held.store != self._local.store and self._shared is not None and self._redis_due():
             answer = await self._reserve_shared(self._shared, demand)
         if answer is None:
             answer = self._local.reserve_now(demand, self._redis_usage(demand))
@@ -475,7 +482,7 @@ class AdmissionGate:
         if not answer.granted or moved is None:
             return ticket  # cannot happen without caps; keep the charge where it is
         limits = budget.resolved()
-        if ticket.store == self._local.store or moved.store == self._local.store:
+        if held.store == self._local.store or moved.store == self._local.store:
             limits = limits.share(self._replicas)
         usage = answer.usage
         over = (
@@ -585,8 +592,10 @@ class AdmissionGate:
         held = self._redis_held.get((demand.cluster, demand.class_name))
         return Usage(held[0], held[1]) if held else None
 
-    def _track(self, ticket: Ticket) -> None:
-        self._held[ticket.lease] = ticket
+    def _track(self, ticket: Ticket, key: str | None = None, admitted: bool = True) -> None:
+        """Hold ``ticket`` under ``key`` (its own lease id unless it was adopted: then the
+        lease id of the local ticket the request still holds)."""
+        self._held[key or ticket.lease] = ticket
         if ticket.store != self._local.store:
             held = self._redis_held.setdefault((ticket.cluster, ticket.class_name), [0, 0])
             held[0] += ticket.tokens
@@ -595,7 +604,8 @@ class AdmissionGate:
         series.tokens.inc(ticket.tokens)
         series.requests.inc()
         series.leases.inc()
-        series.admitted.inc()
+        if admitted:
+            series.admitted.inc()
 
     def _untrack(self, ticket: Ticket) -> None:
         if ticket.store != self._local.store:
@@ -677,6 +687,78 @@ class AdmissionGate:
 
     def _health_changed(self, up: bool) -> None:
         self._m.set_mode("redis" if up else "local")
+        if up:
+            self._adopt_soon()
+
+    # -- adoption of local reservations -----------------------------------------------------
+
+    @property
+    def held_locally(self) -> int:
+        """Reservations of the local ledger this gate holds (with Redis: admitted during an
+        outage and not adopted yet)."""
+        return sum(1 for t in self._held.values() if t.store == self._local.store)
+
+    def _adopt_soon(self) -> None:
+        """Start adopting the local reservations in the background (Redis answered again)."""
+        if self._shared is None or (self._adopting is not None and not self._adopting.done()):
+            return
+        if not self.held_locally:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a synchronous caller): the next tick adopts
+        task = loop.create_task(self._adopt_in_background(), name="ledger-adopt")
+        self._adopting = task
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _adopt_in_background(self) -> None:
+        try:
+            await self.adopt_local()
+        except Exception:
+            # No one awaits this task: a bug here is logged, and the next tick tries again.
+            log.exception("adopting local reservations failed")
+
+    async def adopt_local(self) -> int:
+        """Write every reservation admitted on the local share into Redis, each under a Redis
+        lease of its own, and give the local one back; the request keeps its ticket (its
+        lease id now maps to the Redis one). Stops at the first failure (the rest stay local
+        until Redis answers again). Returns how many were adopted.
+
+        Without this, the other replicas would not see requests admitted during an outage
+        that are still running, and would admit a whole budget beside them."""
+        shared = self._shared
+        if shared is None:
+            return 0
+        async with self._adopt_lock:
+            return await self._adopt(shared)
+
+    async def _adopt(self, shared: RedisLedger) -> int:
+        adopted = 0
+        for key, ticket in list(self._held.items()):
+            if ticket.store != self._local.store:
+                continue
+            if not self._redis_due():
+                break
+            # No caps: the request is running; the reserve only records it.
+            demand = Demand(ticket.cluster, ticket.class_name, ticket.tokens, Budget(), Budget())
+            answer = await self._reserve_shared(shared, demand)
+            if answer is None or answer.ticket is None:
+                break
+            copy = answer.ticket
+            if self._held.get(key) is not ticket:
+                # Released (or moved) while the reserve was in flight: take the copy back.
+                self._settle(shared, copy.cluster, copy.class_name, copy.lease)
+                continue
+            self._untrack(ticket)
+            self._local.release_now(ticket)
+            self._track(copy, key=key, admitted=False)
+            adopted += 1
+        if adopted:
+            self._m.adopted.inc(adopted)
+            log.info("adopted local reservations into redis", extra={"adopted": adopted})
+        return adopted
 
     def _redis_due(self) -> bool:
         return self._health.due(self._clock())
@@ -762,6 +844,8 @@ class AdmissionGate:
             await self.check_redis()
         if self._unsettled and self._redis_due():
             await self._flush_unsettled(shared)
+        if self._health.up:
+            self._adopt_soon()  # a run cut short by a failure, or a change seen with no loop
 
     async def _renew_loop(self) -> None:
         while True:

@@ -105,6 +105,12 @@ class LedgerMetrics:
             "each also lapses with its lease TTL).",
             registry=registry,
         )
+        self.adopted = Counter(
+            "fleet_ledger_adopted",
+            "Reservations admitted on the local share while Redis was unreachable and written "
+            "into Redis once it answered again (still running; released there).",
+            registry=registry,
+        )
         self.leases_held = Gauge(
             "fleet_ledger_leases_held",
             "Reservations this replica holds, by ledger.",

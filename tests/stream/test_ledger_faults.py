@@ -9,9 +9,10 @@ CI runs a short version of each row. The full run prints the RELIABILITY.md tabl
     .venv/bin/python -m tests.stream.test_ledger_faults            # full, prints markdown
 
 The stated bound: while a replica cannot reach Redis it admits against its local share
-(budget / replicas); requests it admitted locally are not in Redis, and requests admitted
-through Redis keep running, so during and just after an outage the requests held at once are
-at most budget + Σ local shares = 2 x budget (1 x budget over). A Redis restart loses every
+(budget / replicas); requests it admitted locally are not in Redis until it answers again and
+the gate adopts them, and requests admitted through Redis keep running, so during and just
+after an outage the requests held at once are at most budget + Σ local shares = 2 x budget
+(1 x budget over). A Redis restart loses every
 lease: requests admitted before it keep running and Redis admits a full budget again (again
 at most 1 x budget over, until those requests end or their renewals find the leases gone).
 """
@@ -414,5 +415,81 @@ async def test_local_fallback_counts_the_replicas_own_redis_leases(server: Redis
     assert all(isinstance(o, Reject) and o.status == 429 for o in outcomes if o not in local)
     for t in [*held, *(o.ticket for o in local)]:
         await gate.release(t)
+    assert gate.held == 0
+    await gate.close()
+
+
+async def test_local_admissions_are_adopted_into_redis_when_it_answers_again(
+    server: RedisServer,
+) -> None:
+    """Requests admitted on the local share while Redis was down are written into Redis once
+    it answers again (under leases of their own, renewed and released there), so another
+    replica sees them: no over-admission beside them after the outage."""
+    rt = make_runtime(server.url, budget={"max_concurrent": 4}, replicas=2, timeout_ms=500)
+    registry = CollectorRegistry()
+    gate = await gate_for(rt, registry, probe_interval_s=0.2)
+    facts = request(rt, "adopted")
+    route = rt.policy.route(facts)
+    cluster = route.placement.primary
+    server.kill()
+    outcomes = [await gate.admit(facts, route) for _ in range(3)]
+    local = [o.ticket for o in outcomes if isinstance(o, Admitted)]
+    # The replica's share (4 / 2 replicas), in memory.
+    assert len(local) == 2 and {t.store for t in local} == {"memory"}, outcomes
+    await asyncio.to_thread(server.start)
+    deadline = time.monotonic() + 10
+    while gate.held_locally and time.monotonic() < deadline:
+        await gate.tick()  # the background loop's step: sees Redis up, adopts
+        await asyncio.sleep(0.1)
+    assert gate.held_locally == 0 and gate.held == 2
+    tokens, count = await compartment(server, cluster, Budget(max_concurrent=4))
+    assert count == 2 and tokens == sum(t.tokens for t in local)
+    assert registry.get_sample_value("fleet_ledger_adopted_total") == 2
+    # Another replica sees them: it admits the other half of the budget, not a whole one.
+    other = await gate_for(rt, CollectorRegistry(), probe_interval_s=0.2)
+    more = [await other.admit(facts, route) for _ in range(4)]
+    theirs = [o.ticket for o in more if isinstance(o, Admitted)]
+    assert len(theirs) == 2 and {t.store for t in theirs} == {"redis"}, more
+    # The requests still hold their original (local) tickets: released in Redis.
+    for t in local:
+        assert not gate.release_if_local(t)
+        await gate.release(t)
+    for t in theirs:
+        await other.release(t)
+    assert await compartment(server, cluster, Budget(max_concurrent=4)) == (0, 0)
+    assert gate.held == 0 and other.held == 0
+    await gate.close()
+    await other.close()
+
+
+async def test_a_request_released_during_adoption_leaves_nothing_in_redis(
+    server: RedisServer,
+) -> None:
+    """A local reservation released while its adoption's reserve is in flight: the Redis copy
+    is taken back, nothing stays counted."""
+    rt = make_runtime(server.url, budget={"max_concurrent": 4}, timeout_ms=500)
+    registry = CollectorRegistry()
+    gate = await gate_for(rt, registry, probe_interval_s=0.2)
+    facts = request(rt, "adopt-race")
+    route = rt.policy.route(facts)
+    cluster = route.placement.primary
+    server.kill()
+    out = await gate.admit(facts, route)
+    assert isinstance(out, Admitted) and out.ticket.store == "memory"
+    await asyncio.to_thread(server.start)
+    assert await gate.check_redis()
+    adoption = asyncio.create_task(gate.adopt_local())
+    await asyncio.sleep(0)  # the reserve is sent ...
+    assert gate.release_if_local(out.ticket)  # ... and the request ends meanwhile
+    await adoption
+    for _ in range(100):  # the cancel of the copy runs in the background: up to ~5 s
+        if not gate.unsettled and await compartment(server, cluster, Budget()) == (0, 0):
+            break
+        await asyncio.sleep(0.05)
+    assert await compartment(server, cluster, Budget()) == (0, 0)
+    # The copy was made in Redis and taken back (not skipped).
+    removed = {"result": "phantom_removed"}
+    assert registry.get_sample_value("fleet_ledger_reconciled_total", removed) == 1
+    assert registry.get_sample_value("fleet_ledger_adopted_total") == 0
     assert gate.held == 0
     await gate.close()
