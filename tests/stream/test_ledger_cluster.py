@@ -11,10 +11,11 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from extproc.core.admission import Admitted, Reject, Ticket
+from extproc.core.admission import Admitted, Demand, Reject, Ticket
 from extproc.core.affinity import Override
 from extproc.core.fleet import Budget
 from extproc.ledger.redis import RedisLedger, compartment_keys
+from extproc.ledger.waiters import listen_for_releases
 from extproc.pipeline.fleet_state import RedisSessions
 from tests.stream.test_ledger_redis import gate_for, request, runtime, sample
 from tests.support.redis_server import RedisClusterServers, command
@@ -24,6 +25,40 @@ from tests.support.redis_server import RedisClusterServers, command
 def cluster() -> Iterator[RedisClusterServers]:
     with RedisClusterServers(masters=3, replicas=1) as servers:
         yield servers
+
+
+class _Freed:
+    """Records the wake-ups the release listener hands to the waiters."""
+
+    def __init__(self) -> None:
+        self.seen: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+
+    def freed(self, cluster: str, class_name: str) -> None:
+        self.seen.put_nowait((cluster, class_name))
+
+
+async def test_release_notices_reach_waiters_through_a_cluster(
+    cluster: RedisClusterServers,
+) -> None:
+    """The release listener subscribes through a fresh cluster client (regression: it raised
+    KeyError at subscribe, before the client had its slot map, and died at start)."""
+    ledger = RedisLedger.from_url(cluster.url, timeout_s=2.0)
+    await ledger.load()
+    freed = _Freed()
+    subscribed = asyncio.Event()
+    task = asyncio.create_task(listen_for_releases(ledger, freed, 0.2, subscribed))  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(subscribed.wait(), 10)
+        demand = Demand("c1", "notices", 10, Budget(max_concurrent=2), Budget(0, 2))
+        answer = await ledger.reserve(demand)
+        assert answer.ticket is not None
+        await ledger.release(answer.ticket)
+        assert await asyncio.wait_for(freed.seen.get(), 10) == ("c1", "notices")
+        assert not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await ledger.close()
 
 
 async def usage(url: str, cluster: str, limits: Budget) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from random import Random
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import redis
@@ -108,7 +108,14 @@ def client_calls(probe: redis.Redis) -> Counter[str]:
     return out
 
 
-async def compartment(srv: RedisServer, cluster: str, limits: Budget) -> tuple[int, int]:
+class Reachable(Protocol):
+    """A Redis to read a compartment from: a server, or a cluster (any node as the seed)."""
+
+    @property
+    def url(self) -> str: ...
+
+
+async def compartment(srv: Reachable, cluster: str, limits: Budget) -> tuple[int, int]:
     ledger = RedisLedger.from_url(srv.url, timeout_s=1.0)
     try:
         usage = (await ledger.usage(cluster, "short", limits)).usage
