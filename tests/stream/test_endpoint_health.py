@@ -11,8 +11,8 @@ from extproc.harness.launch import free_port
 from extproc.pipeline.endpoint_health import EndpointHealth
 
 
-async def test_refused_is_out_at_once_a_slow_probe_only_twice_in_a_row() -> None:
-    slow = {"on": False}
+async def _health_server(slow: dict[str, bool]) -> tuple[web.AppRunner, str]:
+    """A /health endpoint that answers after 1 s while ``slow["on"]``; (runner, address)."""
 
     async def health(_request: web.Request) -> web.Response:
         if slow["on"]:
@@ -25,9 +25,13 @@ async def test_refused_is_out_at_once_a_slow_probe_only_twice_in_a_row() -> None
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     port = free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    live = f"127.0.0.1:{port}"
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"127.0.0.1:{port}"
+
+
+async def test_refused_is_out_at_once_a_slow_probe_only_twice_in_a_row() -> None:
+    slow = {"on": False}
+    runner, live = await _health_server(slow)
     dead = f"127.0.0.1:{free_port()}"  # nothing listens
     prober = EndpointHealth({"c1": (live, dead)}, {}, interval_s=3600, timeout_s=0.2)
     try:
@@ -53,19 +57,7 @@ async def test_a_flapping_probe_never_takes_a_live_endpoint_out() -> None:
     """Health flapping under load (every other probe times out) moves no traffic: only two
     failures in a row take an answering endpoint out, and one success resets the count."""
     slow = {"on": False}
-
-    async def health(_request: web.Request) -> web.Response:
-        if slow["on"]:
-            await asyncio.sleep(1.0)
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    live = f"127.0.0.1:{port}"
+    runner, live = await _health_server(slow)
     prober = EndpointHealth({"c1": (live,)}, {}, interval_s=3600, timeout_s=0.2)
     try:
         await prober.start()
