@@ -143,8 +143,9 @@ def _bare() -> Callable[[AsyncIterator[Any], Any], AsyncIterator[Any]]:
     return process
 
 
-def request_wire(size: str) -> list[bytes]:
-    """Envoy's two messages for a chat request of ``size`` with a session header."""
+def request_wire(size: str, with_body: bool = True) -> list[bytes]:
+    """Envoy's two messages for a chat request of ``size`` with a session header (the headers
+    alone for the header path: Envoy never sends the body it was told to skip)."""
     from envoy.config.core.v3 import base_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
@@ -165,14 +166,15 @@ def request_wire(size: str) -> list[bytes]:
     headers = base_pb2.HeaderMap(
         headers=[base_pb2.HeaderValue(key=k, raw_value=v) for k, v in pairs]
     )
-    return [
+    wire = [
         ep.ProcessingRequest(
             request_headers=ep.HttpHeaders(headers=headers, end_of_stream=False)
-        ).SerializeToString(),
-        ep.ProcessingRequest(
-            request_body=ep.HttpBody(body=body, end_of_stream=True)
-        ).SerializeToString(),
+        ).SerializeToString()
     ]
+    if with_body:
+        body_message = ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+        wire.append(body_message.SerializeToString())
+    return wire
 
 
 async def _handler_rows(
@@ -204,7 +206,7 @@ async def _handler_rows(
 
     rows = []
     for size in sizes:
-        wire = request_wire(size)
+        wire = request_wire(size, with_body=read_body == "always")
         n = REQUESTS[size]
         bare_us = await best(bare, wire, n)
         real_us = await best(real, wire, n)

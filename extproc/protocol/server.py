@@ -52,12 +52,9 @@ Handler = Callable[[StreamState, Any], Awaitable[ep.ProcessingResponse | Waiting
 
 
 def _header_map(headers: Any) -> dict[str, str]:
-    # Envoy sends raw_value (bytes); older versions used value. A comprehension: this runs for
-    # every request, over every header.
-    return {
-        h.key: (raw.decode("utf-8", "replace") if (raw := h.raw_value) else h.value)
-        for h in headers.headers
-    }
+    # Envoy sends raw_value (bytes); older versions used value (an empty raw_value decodes to
+    # "", which falls back to it). Runs for every request, over every header.
+    return {h.key: h.raw_value.decode("utf-8", "replace") or h.value for h in headers.headers}
 
 
 # Envoy ends every ext_proc stream with a half-close followed at once by a reset
