@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 
 from extproc.core.admission import (
     RELEASE_RATE_TAU_S,
@@ -188,7 +188,10 @@ class RedisLedger:
             async with asyncio.timeout(self.timeout_s):
                 async with self._slots:
                     return await call
-        except (RedisError, OSError) as exc:  # TimeoutError is an OSError
+        except (RedisError, RedisClusterException, OSError) as exc:  # TimeoutError: OSError
+            # RedisClusterException is not a RedisError: the cluster client raises it when it
+            # cannot (re)build its slot map, e.g. at start on a loaded machine, where it
+            # crashed the gate's start instead of leaving it on local budgets.
             raise LedgerUnavailable(f"redis {what}: {type(exc).__name__}: {exc}") from exc
         finally:
             if inspect.iscoroutine(call):

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry
 from extproc.core.admission import Admitted, Demand, Reject, Ticket
 from extproc.core.affinity import Override
 from extproc.core.fleet import Budget
+from extproc.harness.launch import free_port
+from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.redis import RedisLedger, compartment_keys
 from extproc.ledger.waiters import listen_for_releases
 from extproc.pipeline.fleet_state import RedisSessions
@@ -193,3 +195,15 @@ async def test_the_session_store_runs_on_the_cluster_url_too(cluster: RedisClust
         assert seen is True and override is not None and override.cluster == "c2"
     finally:
         await sessions.close()
+
+
+async def test_an_unreachable_cluster_is_an_outage_not_a_crash() -> None:
+    """The cluster client raises RedisClusterException (not a RedisError) when it cannot build
+    its slot map; the ledger reports it as unavailable like any outage (regression: the gate's
+    start raised it at load ~40 and the fault matrix run died)."""
+    ledger = RedisLedger.from_url(f"redis+cluster://127.0.0.1:{free_port()}", timeout_s=0.5)
+    with pytest.raises(LedgerUnavailable):
+        await ledger.load()
+    with pytest.raises(LedgerUnavailable):
+        await ledger.ping()
+    await ledger.close()
