@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from random import Random
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from extproc.core.admission import (
     Admitted,
@@ -314,7 +314,9 @@ async def listen_for_releases(
                 found = shared.compartment_of(key)
                 if found is not None:
                     waiters.freed(*found)
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
+            # (The cluster client's RedisClusterException, e.g. no node reachable to build
+            # the slot map, is not a RedisError: it would end the listener for good.)
             if not warned:
                 warned = True
                 log.warning(
