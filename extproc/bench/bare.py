@@ -10,10 +10,36 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from extproc.serve.cmd import GRPC_EXPERIMENTS
+
+
+def bare_process(route: str) -> Callable[[AsyncIterator[Any], Any], AsyncIterator[Any]]:
+    """The bare handler: constant answers, a routing header on the body's (no gRPC import:
+    ``bench handler`` drives it in process)."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    headers_answer = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+    common = ep.CommonResponse(clear_route_cache=True)
+    common.header_mutation.set_headers.append(
+        base_pb2.HeaderValueOption(
+            header=base_pb2.HeaderValue(key="x-fleet-route", raw_value=route.encode()),
+            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+        )
+    )
+    body_answer = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+
+    async def process(requests: AsyncIterator[Any], _context: Any) -> AsyncIterator[Any]:
+        async for request in requests:
+            if request.HasField("request_headers"):
+                yield headers_answer
+            else:
+                yield body_answer
+
+    return process
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,29 +52,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import grpc
     import uvloop
-    from envoy.config.core.v3 import base_pb2
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
     from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
     from extproc.serve.service import grpc_options
 
-    headers_answer = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-    common = ep.CommonResponse(clear_route_cache=True)
-    common.header_mutation.set_headers.append(
-        base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key="x-fleet-route", raw_value=args.route.encode()),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-        )
-    )
-    body_answer = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
+    process = bare_process(args.route)
 
     class Bare(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-        async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-            async for request in requests:
-                if request.HasField("request_headers"):
-                    yield headers_answer
-                else:
-                    yield body_answer
+        # grpc.aio serves a stream-stream method as an async generator function only.
+        Process = staticmethod(process)
 
     async def serve() -> None:
         server = grpc.aio.server(options=grpc_options(args.max_body_bytes))

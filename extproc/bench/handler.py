@@ -118,31 +118,6 @@ def _processor(read_body: str) -> Any:
     return FleetProcessor(Pipeline(RuntimeHolder(runtime), metrics, gate))
 
 
-def _bare() -> Callable[[AsyncIterator[Any], Any], AsyncIterator[Any]]:
-    """extproc/bench/bare.py's handler: the floor."""
-    from envoy.config.core.v3 import base_pb2
-    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-
-    headers_answer = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-    common = ep.CommonResponse(clear_route_cache=True)
-    common.header_mutation.set_headers.append(
-        base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key="x-fleet-route", raw_value=b"c1__c2"),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-        )
-    )
-    body_answer = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
-
-    async def process(requests: AsyncIterator[Any], _context: Any) -> AsyncIterator[Any]:
-        async for request in requests:
-            if request.HasField("request_headers"):
-                yield headers_answer
-            else:
-                yield body_answer
-
-    return process
-
-
 def request_wire(size: str, with_body: bool = True) -> list[bytes]:
     """Envoy's two messages for a chat request of ``size`` with a session header (the headers
     alone for the header path: Envoy never sends the body it was told to skip)."""
@@ -182,9 +157,11 @@ async def _handler_rows(
 ) -> list[dict[str, Any]]:
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
+    from extproc.bench.bare import bare_process
+
     parse = ep.ProcessingRequest.FromString
     real = _processor(read_body).Process
-    bare = _bare()
+    bare = bare_process("c1__c2")
 
     def one(process: Callable[..., AsyncIterator[Any]], wire: list[bytes]) -> Awaitable[None]:
         async def run() -> None:
