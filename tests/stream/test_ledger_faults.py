@@ -477,19 +477,28 @@ async def test_local_fallback_counts_the_replicas_own_redis_leases(server: Redis
     await gate.close()
 
 
+async def _gate_then_redis_killed(
+    server: RedisServer, session: str, replicas: int
+) -> tuple[Any, CollectorRegistry, AdmissionGate, Any, Any]:
+    """A gate on ``server`` (budget 4, ``replicas``), then Redis SIGKILLed: what admits next
+    admits on the local share. (runtime, registry, gate, facts, route)."""
+    rt = make_runtime(server.url, budget={"max_concurrent": 4}, replicas=replicas, timeout_ms=500)
+    registry = CollectorRegistry()
+    gate = await gate_for(rt, registry, probe_interval_s=0.2)
+    facts = request(rt, session)
+    route = rt.policy.route(facts)
+    server.kill()
+    return rt, registry, gate, facts, route
+
+
 async def test_local_admissions_are_adopted_into_redis_when_it_answers_again(
     server: RedisServer,
 ) -> None:
     """Requests admitted on the local share while Redis was down are written into Redis once
     it answers again (under leases of their own, renewed and released there), so another
     replica sees them: no over-admission beside them after the outage."""
-    rt = make_runtime(server.url, budget={"max_concurrent": 4}, replicas=2, timeout_ms=500)
-    registry = CollectorRegistry()
-    gate = await gate_for(rt, registry, probe_interval_s=0.2)
-    facts = request(rt, "adopted")
-    route = rt.policy.route(facts)
+    rt, registry, gate, facts, route = await _gate_then_redis_killed(server, "adopted", 2)
     cluster = route.placement.primary
-    server.kill()
     outcomes = [await gate.admit(facts, route) for _ in range(3)]
     local = [o.ticket for o in outcomes if isinstance(o, Admitted)]
     # The replica's share (4 / 2 replicas), in memory.
@@ -525,13 +534,8 @@ async def test_a_request_released_during_adoption_leaves_nothing_in_redis(
 ) -> None:
     """A local reservation released while its adoption's reserve is in flight: the Redis copy
     is taken back, nothing stays counted."""
-    rt = make_runtime(server.url, budget={"max_concurrent": 4}, timeout_ms=500)
-    registry = CollectorRegistry()
-    gate = await gate_for(rt, registry, probe_interval_s=0.2)
-    facts = request(rt, "adopt-race")
-    route = rt.policy.route(facts)
+    _rt, registry, gate, facts, route = await _gate_then_redis_killed(server, "adopt-race", 1)
     cluster = route.placement.primary
-    server.kill()
     out = await gate.admit(facts, route)
     assert isinstance(out, Admitted) and out.ticket.store == "memory"
     await asyncio.to_thread(server.start)
