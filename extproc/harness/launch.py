@@ -232,12 +232,6 @@ class FleetStack:
                 }
                 for name, endpoints in self.cluster_endpoints().items()
             ],
-            # Stacks run the stateless opening key unless told otherwise: tests and the demo
-            # predict every placement with the core's parser, which a learning key (the chain
-            # key's common chains depend on all traffic the processor saw) would not match.
-            # The chain key runs through Envoy in tests/e2e/test_chain_key.py and in
-            # `extproc bench layouts` (fleet_overrides={"prefix": {"key": "chain"}}).
-            "prefix": {"key": "opening"},
         }
         for key, value in self.fleet_overrides.items():
             if isinstance(value, dict) and isinstance(cfg.get(key), dict):
