@@ -305,6 +305,7 @@ def parse_cost(layouts: Sequence[str], config: LayoutConfig, repeats: int = 5) -
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layouts", default=",".join(ENVOY_LAYOUTS))
+    parser.add_argument("--setups", default=",".join(SETUPS), help="any of " + ",".join(SETUPS))
     parser.add_argument("--conversations", type=int, default=800)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument(
@@ -312,11 +313,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=40,
         help="shared documents the layout's RAG conversations draw from",
-    )
-    parser.add_argument(
-        "--setups",
-        default=",".join(SETUPS),
-        help=f"Envoy set-ups to run, of {','.join(SETUPS)}",
     )
     parser.add_argument(
         "--balance",
