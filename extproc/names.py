@@ -57,3 +57,9 @@ EXT_PROC_ATTRIBUTES_KEY = "envoy.filters.http.ext_proc"
 # waits for budget (protocol/responses.py sends it, render/envoy.py bounds it): the decision that
 # ends the wait still makes a Redis round trip or two.
 WAIT_TIMER_HEADROOM_S = 1.0
+
+# The response code details of every answer the processor gives itself (an ImmediateResponse;
+# extproc/protocol/responses.immediate). Envoy's local reply mapper rewrites, as a JSON error,
+# every other answer Envoy writes itself (extproc/render/local_reply.py): this is how it tells
+# the two apart.
+IMMEDIATE_DETAILS_PREFIX = "fleet_"

@@ -903,6 +903,11 @@ async def start_sim_cluster(
         # the handler; SGLang checks for the disconnect while it waits): without this, aiohttp
         # would keep "generating" for nobody and count it in flight.
         handler_cancellation=True,
+        # Real engines' HTTP servers (uvicorn, for vLLM and SGLang) do not decode a request's
+        # content-encoding: a gzip or br body reaches the JSON parser as it is, and the engine
+        # answers its own JSON 400. aiohttp would decode it, and answer a body it cannot
+        # decode in its own text/plain, before the handler could name the cluster.
+        auto_decompress=False,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -21,6 +21,7 @@ from extproc.core.ratelimit_headers import rate_limit_headers
 from extproc.names import (
     CLASS_HEADER,
     ENGINE_KEY_HEADER,
+    IMMEDIATE_DETAILS_PREFIX,
     PREFILLER_HEADER,
     PRIMARY_HEADER,
     ROUTE_HEADER,
@@ -66,12 +67,36 @@ OBSERVE_RESPONSE_HEADERS = _observing(response_body=False)
 OBSERVE_RESPONSES = _observing(response_body=True)
 
 
+# The request-headers answer to a chunked HTTP/1.1 upload whose response the processor would
+# read. Such a request can still fail in Envoy's codec after its headers (a malformed chunk or
+# trailer block), and Envoy's own answer to that error then runs through the filter's response
+# phases while the connection manager closes the connection at once: with response headers
+# SEND, the answer waits on the processor and the client gets none (Envoy issue 29440;
+# RELIABILITY.md, defect 6). So no response phase Envoy's answer would wait on: response
+# trailers SEND only keeps the stream, and with it the request's budget, until the exchange
+# ends (as on the header path), and Envoy's answer has no trailers.
+OBSERVE_CHUNKED_UPLOAD = ep.ProcessingResponse(
+    request_headers=ep.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(
+        request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+        request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
+        request_trailer_mode=processing_mode_pb2.ProcessingMode.SEND,
+        response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+        response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+        response_trailer_mode=processing_mode_pb2.ProcessingMode.SEND,
+    ),
+)
+
+
 def continue_inference_headers(
-    response_headers: bool, response_body: bool
+    response_headers: bool, response_body: bool, chunked: bool = False
 ) -> ep.ProcessingResponse:
-    """The answer to an inference request's headers while its body is awaited."""
+    """The answer to an inference request's headers while its body is awaited (``chunked``:
+    an HTTP/1.1 chunked upload, see OBSERVE_CHUNKED_UPLOAD)."""
     if not response_headers:
         return CONTINUE_HEADERS
+    if chunked:
+        return OBSERVE_CHUNKED_UPLOAD
     return OBSERVE_RESPONSES if response_body else OBSERVE_RESPONSE_HEADERS
 
 
@@ -268,6 +293,9 @@ def immediate(
     status: int, body: bytes, headers: Iterable[tuple[str, str]] = (), details: str = ""
 ) -> ep.ProcessingResponse:
     """Envoy answers the client itself; it adds only date, server and content-length."""
+    if not details.startswith(IMMEDIATE_DETAILS_PREFIX):
+        # Envoy's local reply mapper leaves only answers with this prefix alone.
+        details = IMMEDIATE_DETAILS_PREFIX + (details or "answer")
     resp = ep.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status),
         body=body,

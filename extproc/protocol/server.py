@@ -91,6 +91,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # the response phases the runtime reads, a property computed over every class.
         self._phases_for: object = None
         self._await_body = responses.CONTINUE_HEADERS
+        self._await_chunked = responses.CONTINUE_HEADERS
         self._skip = responses.SKIP_REQUEST_BODY[False, False]
         self._clock = clock
         # The whole phase contract, in one table. Phases we never ask Envoy for (see the
@@ -183,7 +184,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             state.api = api
             if self.pipeline.decides_at_headers:
                 return await self._decide_at_headers(state)
-            return self._awaiting_body()
+            return self._awaiting_body(state)
         # Not an inference request, or one without a body: decided on the headers alone.
         state.decided = True
         outcome = await self.pipeline.decide(state.headers, None, self._clock())
@@ -197,7 +198,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         started = self._clock()
         outcome = await self.pipeline.decide_headers_deferred(state.headers, started)
         if outcome is None:
-            return self._awaiting_body()
+            return self._awaiting_body(state)
         state.decided = True
         if isinstance(outcome, Waiting):
             state.waits_at_headers = True
@@ -206,9 +207,13 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             self._metrics.decision_seconds.observe(self._clock() - started)
         return self._header_answer(state, outcome)
 
-    def _awaiting_body(self) -> ep.ProcessingResponse:
+    def _awaiting_body(self, state: StreamState) -> ep.ProcessingResponse:
         """The answer to an inference request's headers while its body is awaited."""
         self._phase_answers()
+        # A body without a content-length: an HTTP/1.1 chunked upload (Envoy removes the
+        # transfer-encoding header before its filters), or an HTTP/2 stream without one.
+        if "content-length" not in state.headers:
+            return self._await_chunked
         return self._await_body
 
     def _phase_answers(self) -> None:
@@ -219,6 +224,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # The override asks for the response phases the processor reads (the rendered filter
         # skips them), as continue_inference_headers does on the body path.
         self._await_body = responses.continue_inference_headers(phases, usage)
+        self._await_chunked = responses.continue_inference_headers(phases, usage, chunked=True)
         self._skip = responses.SKIP_REQUEST_BODY[phases, usage]
         self._phases_for = runtime
 

@@ -154,6 +154,16 @@ def judge_http(
     return f"error_{status}", defect
 
 
+def fuzz_overrides(response_phases: bool = False) -> dict[str, Any]:
+    """FleetStack's overrides for the fuzz run: its session, classes (each with a budget, so
+    the processor reads inference responses) and body limit."""
+    cfg = fuzz_config()
+    overrides: dict[str, Any] = {k: cfg[k] for k in ("session", "classes")}
+    overrides["processor"] = {**cfg["processor"], "inspect_usage": response_phases}
+    overrides["affinity"] = {"enabled": response_phases}
+    return overrides
+
+
 def run_envoy_fuzz(
     total: int, seed: int = 0, batch: int = 8, pool_size: int = 3000, response_phases: bool = False
 ) -> tuple[Tally, dict[str, float]]:
@@ -162,9 +172,7 @@ def run_envoy_fuzz(
     from extproc.reliability.fuzz_cmd import generate
 
     cfg = fuzz_config()
-    overrides: dict[str, Any] = {k: cfg[k] for k in ("session", "classes")}
-    overrides["processor"] = {**cfg["processor"], "inspect_usage": response_phases}
-    overrides["affinity"] = {"enabled": response_phases}
+    overrides = fuzz_overrides(response_phases)
     workdir = Path(tempfile.mkdtemp(prefix="fuzz-envoy-"))
     stack = FleetStack(
         workdir,

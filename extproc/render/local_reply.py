@@ -10,7 +10,10 @@ Without this, a request Envoy refuses before the processor decides anything gets
   matched by its response code details, because its DPE flag is set too late;
 - no healthy upstream (503, flag UH), an upstream unreachable or reset before answering (503,
   UF/URX/UC), an overflowing circuit breaker (UO), an upstream timeout (504, UT), no route (NR),
-  a stream idle timeout (SI), a downstream protocol error (DPE).
+  a stream idle timeout (SI), a downstream protocol error (DPE);
+- any other error Envoy writes itself (413 for a body over the buffer limit, 408 at the request
+  timeout): every answer of the processor carries response code details that start with
+  ``IMMEDIATE_DETAILS_PREFIX``, anything else with a status of 400 or more is Envoy's.
 
 The mapper selects those by response flag, by codec details, or by "no request headers at
 all", so the processor's own immediate responses (no flag, a ``:path``; already JSON in the
@@ -27,6 +30,8 @@ the same ``type`` and ``message``), because a codec error has no path to choose 
 from __future__ import annotations
 
 from typing import Any
+
+from extproc.names import IMMEDIATE_DETAILS_PREFIX
 
 # Response flags of replies Envoy generates itself (not the processor, not an upstream).
 ENVOY_REPLY_FLAGS = ("DPE", "UH", "UF", "UO", "URX", "UC", "UT", "NR", "SI", "DC", "LR")
@@ -71,17 +76,18 @@ def local_reply_config(retry_after_s: int = 5) -> dict[str, Any]:
         }
     }
     json_body = {"json_format": ERROR_SHAPE, "content_type": "application/json"}
+    error_status = {
+        "status_code_filter": {
+            "comparison": {
+                "op": "GE",
+                "value": {"default_value": 400, "runtime_key": "fleet.local_reply"},
+            }
+        }
+    }
     codec_error = {
         "and_filter": {
             "filters": [
-                {
-                    "status_code_filter": {
-                        "comparison": {
-                            "op": "GE",
-                            "value": {"default_value": 400, "runtime_key": "fleet.local_reply"},
-                        }
-                    }
-                },
+                error_status,
                 # No :path: the header block never became a request (a codec error).
                 {"header_filter": {"header": {"name": ":path", "present_match": False}}},
             ]
@@ -102,6 +108,29 @@ def local_reply_config(retry_after_s: int = 5) -> dict[str, Any]:
             },
         }
     }
+    # Any other error Envoy writes itself, with a request and no flag: 413 when a buffered body
+    # outgrows the buffer limit ("request_payload_too_large"), 408 at the request timeout, ...
+    # The processor's own answers carry details with IMMEDIATE_DETAILS_PREFIX and pass as
+    # they are (already JSON in the API's format).
+    not_the_processors = {
+        "and_filter": {
+            "filters": [
+                error_status,
+                {
+                    "extension_filter": {
+                        "name": "envoy.access_loggers.extension_filters.cel",
+                        "typed_config": {
+                            "@type": CEL_FILTER_TYPE,
+                            "expression": (
+                                f"!response.code_details.startsWith('{IMMEDIATE_DETAILS_PREFIX}')"
+                            ),
+                        },
+                    }
+                },
+            ]
+        }
+    }
+    filters = [by_flag, codec_error, codec_details, not_the_processors]
     # The first mapper whose filter matches applies: the retry hint's before the general one.
     return {
         "mappers": [
@@ -116,7 +145,7 @@ def local_reply_config(retry_after_s: int = 5) -> dict[str, Any]:
                 "body_format_override": json_body,
             },
             {
-                "filter": {"or_filter": {"filters": [by_flag, codec_error, codec_details]}},
+                "filter": {"or_filter": {"filters": filters}},
                 "body_format_override": json_body,
             },
         ]

@@ -8,49 +8,27 @@ family can parse; they are now JSON errors (extproc/render/local_reply.py).
 
 from __future__ import annotations
 
+import http.client
 import socket
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
 import pytest
 
-from extproc.harness.launch import FleetStack
+from extproc.harness.launch import LOOPBACK, Client, FleetStack, wait_until
 from extproc.reliability.fuzz_cases import error_format_problem
 from extproc.reliability.fuzz_cmd import failed
-from extproc.reliability.fuzz_envoy import exchange, run_envoy_fuzz
-
-# Open defect 6 of RELIABILITY.md: for some drawn cases Envoy's own answer is text/plain, or a
-# chunked upload with trailers is closed without an answer; and one answer in aiohttp's own
-# text/plain (the simulated engine's parser, before the handler could name the cluster) is not
-# told apart from a gateway answer. Seen in two clean-clone CI runs with identical counts (16
-# closed with trailers, 8 + 1 text/plain, 1 aiohttp); 0 when this file ran alone: Hypothesis
-# also drew literals mined from every module the process had imported, so a whole e2e session
-# drew another pool than one test file. The pool no longer depends on that (fuzz_cmd.draw_pool).
-# Counted apart and printed; a hang, a held budget, a bypass, a crash without trailers or any
-# other kind of defect still fails the test.
-LOAD_DEPENDENT = (
-    "error content-type 'text/plain'",
-    "no status line",
-    "error content-type 'text/plain; charset=utf-8'",
-)
+from extproc.reliability.fuzz_envoy import exchange, fuzz_overrides, run_envoy_fuzz
 
 
 def test_five_hundred_hostile_requests_through_envoy() -> None:
+    """Every kind of defect fails this, RELIABILITY.md's defect 6 included: its three kinds
+    (trailer cases closed without an answer, Envoy's text/plain 413, the simulated engine's
+    text/plain answer to a compressed body) have regression tests below."""
     tally, leftovers = run_envoy_fuzz(500, seed=14, batch=8, pool_size=150)
     assert tally.cases == 500
-    apart = {
-        (kind, trailers): n
-        for (kind, trailers), n in tally.defect_kinds.items()
-        if kind in (LOAD_DEPENDENT[0], LOAD_DEPENDENT[2])
-        or (kind == LOAD_DEPENDENT[1] and trailers)
-    }
-    if apart:
-        print(f"open defect 6 (RELIABILITY.md) seen: {apart}")
-    for (kind, _trailers), n in apart.items():
-        tally.outcomes["defect"] -= n  # every defect is counted here, crashes too
-        if kind == LOAD_DEPENDENT[1]:
-            tally.outcomes["crashed"] -= n
     assert failed(tally, leftovers) == [], dict(tally.defect_kinds)
     assert tally.outcomes["routed"] > 20
     assert leftovers["bypassed_requests"] == 0
@@ -72,8 +50,8 @@ def observing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         yield s
 
 
-def _raw(port: int, head: bytes) -> tuple[int, dict[str, str], bytes]:
-    result = exchange(port, (head, b""))
+def _raw(port: int, head: bytes, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+    result = exchange(port, (head, body))
     assert not isinstance(result, str), result
     return result
 
@@ -189,3 +167,136 @@ def test_raw_client_sees_socket_errors_as_outcomes() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     assert isinstance(exchange(port, (b"GET / HTTP/1.1\r\n\r\n", b"")), str)
+
+
+# ----- defect 6 (RELIABILITY.md) --------------------------------------------------------------
+
+CHAT_BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+
+@pytest.fixture(scope="module")
+def budgeted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    with FleetStack(
+        tmp_path_factory.mktemp("budgeted"), clusters=1, fleet_overrides=fuzz_overrides()
+    ) as s:
+        yield s
+
+
+@pytest.mark.parametrize("path", [b"/v1/chat/completions", b"/v1/messages"])
+@pytest.mark.parametrize("trailer", [b"x-checksum: a\x08b", b"x-checksum: \x17\x01"])
+def test_malformed_trailer_of_a_budgeted_chunked_upload_is_answered(
+    budgeted: FleetStack, path: bytes, trailer: bytes
+) -> None:
+    """Defect 6: Envoy's answer to a codec error after the request headers ran through the
+    response phases the processor had turned on for the request, and the connection manager
+    closed the connection while the answer waited on the processor (no answer at all). A body
+    without a content-length now reads no response phase Envoy's answer would wait on."""
+    head = (
+        b"POST " + path + b" HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
+        b"anthropic-version: 2023-06-01\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+    )
+    framed = b"%x\r\n" % len(CHAT_BODY) + CHAT_BODY + b"\r\n0\r\n" + trailer + b"\r\n\r\n"
+    result = exchange(budgeted.listener_port, (head, framed))
+    assert not isinstance(result, str), result
+    code, headers, raw = result
+    assert code == 400, raw
+    assert error_format_problem(path.decode(), raw, headers.get("content-type")) is None, raw
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_body_over_envoys_buffer_limit_is_a_json_error(budgeted: FleetStack, path: str) -> None:
+    """Defect 6: a body past Envoy's buffer limit (rendered from the processor's max_body_bytes,
+    4 MiB in the fuzz config) got Envoy's own 413 in text/plain; the mapper now rewrites every
+    answer Envoy writes itself."""
+    text = "a" * (9 << 20)
+    body = orjson.dumps(
+        {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": text}]}
+    )
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
+    code, headers, raw = _raw(budgeted.listener_port, head, body)
+    assert code == 413
+    assert error_format_problem(path, raw, headers.get("content-type")) is None, raw
+    assert orjson.loads(raw)["error"]["code"] == "request_payload_too_large"
+
+
+def test_a_compressed_body_on_the_header_path_gets_the_engines_json_error(
+    budgeted: FleetStack,
+) -> None:
+    """Defect 6: on the header path the body goes straight to the engine. A br body was
+    decoded, and refused in text/plain, by the simulated engine's HTTP server (aiohttp) before
+    its handler could name the cluster; real engines (uvicorn) do not decode a request's
+    content-encoding and answer their own JSON 400."""
+    body = b"\x8b\x02\x80" + CHAT_BODY[::-1]
+    head = (
+        b"POST /v1/messages HTTP/1.1\r\nhost: g\r\ncontent-type: application/json\r\n"
+        b"anthropic-version: 2023-06-01\r\nx-session-id: agent-br\r\ncontent-encoding: br\r\n"
+        b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
+    )
+    code, headers, raw = _raw(budgeted.listener_port, head, body)
+    assert code == 400
+    assert headers.get("x-served-by") == "c1"  # the engine's own answer
+    assert error_format_problem("/v1/messages", raw, headers.get("content-type")) is None, raw
+
+
+def test_a_chunked_upload_holds_its_budget_until_it_ends(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The chunked upload's override reads no response phase but keeps one pending (response
+    trailers), so the ext_proc stream, and the budget it holds, lasts until the exchange ends:
+    a class that admits one request at a time refuses a second one while a chunked first one
+    generates (JSON and SSE), and admits again once it has ended."""
+    classes = [{"name": "only", "budget": {"max_concurrent": 1}}]
+    stack = FleetStack(
+        tmp_path_factory.mktemp("chunked-hold"),
+        clusters=1,
+        # About 1.5 s of generation (64 tokens at 40 tokens/s, real time).
+        sim_args=("--time-scale", "1", "--decode-tps", "40"),
+        fleet_overrides={"classes": classes},
+    )
+
+    def held() -> float:
+        samples = stack.processor_metrics()
+        return sum(v for (n, _l), v in samples.items() if n == "fleet_budget_inflight_requests")
+
+    def chunked(body: bytes) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection(LOOPBACK, stack.listener_port, timeout=60)
+        try:
+            pieces = [body[i : i + 16] for i in range(0, len(body), 16)]
+            conn.request(
+                "POST",
+                "/v1/chat/completions",
+                body=iter(pieces),
+                headers={"content-type": "application/json"},
+                encode_chunked=True,
+            )
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    with stack, ThreadPoolExecutor(1) as pool:
+        second = Client(stack.listener_port)
+        try:
+            for stream in (False, True):
+                body = orjson.dumps(
+                    {
+                        "model": "m",
+                        "messages": [{"role": "user", "content": "go"}],
+                        "max_tokens": 64,
+                        "stream": stream,
+                    }
+                )
+                first = pool.submit(chunked, body)
+                wait_until(lambda: held() == 1, 10, "the chunked request to hold the budget")
+                status, _, data = second.request(
+                    "POST", "/v1/chat/completions", body, {"content-type": "application/json"}
+                )
+                assert status == 429, (stream, data[:300])
+                assert not first.done(), "the chunked request ended before the second was refused"
+                assert first.result(timeout=30)[0] == 200
+                wait_until(lambda: held() == 0, 10, "the budget to be given back")
+        finally:
+            second.close()
