@@ -172,6 +172,7 @@ def test_raw_client_sees_socket_errors_as_outcomes() -> None:
 # ----- defect 6 (RELIABILITY.md) --------------------------------------------------------------
 
 CHAT_BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+GENERATE_64 = {"model": "m", "messages": [{"role": "user", "content": "go"}], "max_tokens": 64}
 
 
 @pytest.fixture(scope="module")
@@ -281,14 +282,7 @@ def test_a_chunked_upload_holds_its_budget_until_it_ends(
         second = Client(stack.listener_port)
         try:
             for stream in (False, True):
-                body = orjson.dumps(
-                    {
-                        "model": "m",
-                        "messages": [{"role": "user", "content": "go"}],
-                        "max_tokens": 64,
-                        "stream": stream,
-                    }
-                )
+                body = orjson.dumps({**GENERATE_64, "stream": stream})
                 first = pool.submit(chunked, body)
                 wait_until(lambda: held() == 1, 10, "the chunked request to hold the budget")
                 status, _, data = second.request(
