@@ -21,6 +21,7 @@ from extproc.harness.launch import LOOPBACK, Client, FleetStack, wait_until
 from extproc.reliability.fuzz_cases import error_format_problem
 from extproc.reliability.fuzz_cmd import failed
 from extproc.reliability.fuzz_envoy import exchange, fuzz_overrides, run_envoy_fuzz
+from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 
 def test_five_hundred_hostile_requests_through_envoy() -> None:
@@ -255,7 +256,7 @@ def test_a_chunked_upload_holds_its_budget_until_it_ends(
         clusters=1,
         # About 1.5 s of generation (64 tokens at 40 tokens/s, real time).
         sim_args=("--time-scale", "1", "--decode-tps", "40"),
-        fleet_overrides={"classes": classes},
+        fleet_overrides={"classes": refused_at_once(classes), "flow": NO_PLACEMENT},
     )
 
     def held() -> float:
