@@ -31,7 +31,17 @@ FLEET_HEADERS = (
 # for the routing sidecar in the decode pod (llm-d-inference-scheduler PrefillEndpointHeader).
 # The sidecar dials whatever it names, so a client must never set it: it is internal-only too.
 PREFILLER_HEADER = "x-prefiller-host-port"
-PD_HEADERS = (PREFILLER_HEADER,)
+# SGLang's protocol (disaggregation.protocol "sglang"): the Envoy cluster (one per prefill
+# endpoint) the route's request mirror sends the same body to. Internal-only as well.
+PREFILL_MIRROR_HEADER = "x-fleet-prefill-mirror"
+PD_HEADERS = (PREFILLER_HEADER, PREFILL_MIRROR_HEADER)
+
+
+def prefill_mirror_cluster(address: str) -> str:
+    """The Envoy cluster holding only prefill endpoint ``address`` (SGLang's protocol): the
+    bootstrap fields name that host, so the mirror must reach exactly it."""
+    return "prefill-mirror-" + "".join(c if c.isalnum() or c == "." else "-" for c in address)
+
 
 # Headroom above the processor's own body limit in every proxy buffer we render (Envoy's
 # per-request buffer, Envoy Gateway's bufferLimit), so that the processor, not the proxy,

@@ -253,7 +253,13 @@ def compile_runtime(
             else None
         ),
         decide_at_headers=(
-            cfg.processor.read_body == "when_needed" and cfg.session.header is not None
+            cfg.processor.read_body == "when_needed"
+            and cfg.session.header is not None
+            # SGLang's P/D fields are written into the body: it must reach the processor.
+            and not (
+                cfg.disaggregation.protocol == "sglang"
+                and any(c.disaggregated for c in cfg.classes)
+            )
         ),
         max_sessions=cfg.affinity.max_sessions,
         served_by_header=served,
@@ -402,7 +408,9 @@ def pd_plan(cfg: FleetConfig, classes: tuple[RequestClass, ...]) -> PdPlan | Non
             c for c in prefill if not spec.prefill_eligible or c.name in spec.prefill_eligible
         ]
         pools[cls.name] = tuple(
-            PrefillEndpoint(e, c.name, labels[c.name]) for c in members for e in c.endpoints
+            PrefillEndpoint(e, c.name, labels[c.name], c.bootstrap_port)
+            for c in members
+            for e in c.endpoints
         )
         b = spec.prefill_budget
         budgets[cls.name] = RequestClass(
@@ -428,6 +436,7 @@ def pd_plan(cfg: FleetConfig, classes: tuple[RequestClass, ...]) -> PdPlan | Non
         pools=MappingProxyType(pools),
         prefill_classes=MappingProxyType(budgets),
         kv_bytes_per_token=d.kv_bytes_per_token,
+        protocol=d.protocol,
     )
 
 

@@ -135,6 +135,10 @@ class ClusterConfig(Strict):
     # Disaggregated prefill/decode (extproc.core.pd; DisaggregationConfig below).
     role: Literal["both", "prefill", "decode"] = "both"
     topology: dict[TopologyKey, TopologyLabel] = {}
+    # disaggregation.protocol "sglang", prefill clusters: the port of the SGLang prefill
+    # servers' bootstrap server (--disaggregation-bootstrap-port; None: sent as null, the
+    # server's default 8998), as SGLang's router takes it with ``--prefill URL PORT``.
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
     # The models this cluster serves (ServedModelConfig; a bare name is a model without aliases
     # or adapters). Empty on every cluster: the fleet is model-agnostic, as before models
     # existed (every request is placed whatever its "model" says).
@@ -428,6 +432,12 @@ class DisaggregationConfig(Strict):
     # KV bytes per prompt token: 80 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes for a
     # 70B GQA model in fp16 (1.34 GB at 4,096 tokens).
     kv_bytes_per_token: int = Field(default=327_680, gt=0)
+    # How the pair reaches the data path. "llm-d": the x-prefiller-host-port request header,
+    # for llm-d's routing sidecar in the decode pod (which runs the prefill round trip).
+    # "sglang": SGLang's router protocol: bootstrap_host / bootstrap_port / bootstrap_room in
+    # the JSON body, and the same body sent to the prefill server too (an Envoy request mirror
+    # to the chosen prefill endpoint; the decode response is the answer).
+    protocol: Literal["llm-d", "sglang"] = "llm-d"
 
 
 class FleetConfig(Strict):

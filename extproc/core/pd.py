@@ -88,6 +88,8 @@ class PrefillEndpoint:
     address: str  # host:port, as the decode-side sidecar dials it
     cluster: str
     labels: tuple[str | None, ...]
+    # SGLang's protocol: the endpoint's bootstrap server port (None: the server's default).
+    bootstrap_port: int | None = None
     seed: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -202,6 +204,8 @@ class PdPlan:
     # no configured class can take: "/" is not allowed in class names).
     prefill_classes: Mapping[str, RequestClass]
     kv_bytes_per_token: int = 327_680
+    # "llm-d" (x-prefiller-host-port) or "sglang" (bootstrap fields + a request mirror).
+    protocol: str = "llm-d"
 
     def choose(
         self,
@@ -225,3 +229,53 @@ class PdPlan:
 
 def prefill_class_name(class_name: str) -> str:
     return f"{class_name}/prefill"
+
+
+# -- SGLang's bootstrap protocol ---------------------------------------------------------------
+# SGLang's PD router (sgl-router, bootstrap_injector.rs) sends the same body to the prefill and
+# the decode server at once, with these fields added: the prefill server's host (no port), its
+# bootstrap server's port (null: the server's default, 8998) and a random room in [0, 2^63)
+# that pairs the two halves. A batch (chat ``n`` > 1, a list of prompts / texts / input_ids)
+# gets one value per item in each field.
+BOOTSTRAP_HOST = "bootstrap_host"
+BOOTSTRAP_PORT = "bootstrap_port"
+BOOTSTRAP_ROOM = "bootstrap_room"
+ROOM_MASK = (1 << 63) - 1
+
+
+def bootstrap_batch(body: Mapping[str, object]) -> int | None:
+    """How many bootstrap rooms a request needs: None for a single request, else the batch
+    size. Raises ValueError on an empty batch (the router refuses it too).
+
+    As SGLang's router counts it, except that a flat list of token ids is one prompt (the
+    server reads it so; the router would count its tokens)."""
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        return n
+    for name in ("prompt", "text", "input_ids"):
+        value = body.get(name)
+        if not isinstance(value, list):
+            continue
+        if not value:
+            raise ValueError(f"batch {name} is empty")
+        if isinstance(value[0], int) and not isinstance(value[0], bool):
+            return None  # one tokenised prompt
+        return len(value)
+    return None
+
+
+def bootstrap_fields(
+    address: str, port: int | None, rooms: Sequence[int], batch: int | None
+) -> dict[str, object]:
+    """The fields SGLang's router injects for prefill endpoint ``address`` (host:port, as the
+    fleet lists it; the host part is sent). ``rooms``: random draws (masked to 63 bits here),
+    one per batch item or one for a single request."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    masked = [r & ROOM_MASK for r in rooms]
+    if batch is None:
+        return {BOOTSTRAP_HOST: host, BOOTSTRAP_PORT: port, BOOTSTRAP_ROOM: masked[0]}
+    return {
+        BOOTSTRAP_HOST: [host] * batch,
+        BOOTSTRAP_PORT: [port] * batch,
+        BOOTSTRAP_ROOM: masked[:batch],
+    }

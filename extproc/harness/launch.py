@@ -160,6 +160,9 @@ class FleetStack:
     cluster_fields_by_name: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Start the simulated clusters with --fleet fleet.yaml: each serves its P/D role.
     sims_read_fleet: bool = False
+    # P/D with SGLang's protocol: each prefill cluster's bootstrap_port is its simulated
+    # cluster's own port (where extproc.harness.sim_pd serves the bootstrap rendezvous).
+    sim_bootstrap_ports: bool = False
     # Models per cluster name ("c1", ...): listed in fleet.yaml and served by the simulated
     # cluster (which answers vLLM's 404 for any other). Unset: model-agnostic, as before.
     # An entry is a name or fleet.yaml's {name, aliases, adapters}; the simulated cluster
@@ -229,6 +232,7 @@ class FleetStack:
                     **self.cluster_fields,
                     **self.cluster_fields_by_name.get(name, {}),
                     **self._models_field(name),
+                    **self._bootstrap_field(name, endpoints),
                 }
                 for name, endpoints in self.cluster_endpoints().items()
             ],
@@ -239,6 +243,12 @@ class FleetStack:
             else:
                 cfg[key] = value
         return cfg
+
+    def _bootstrap_field(self, name: str, endpoints: list[str]) -> dict[str, int]:
+        role = self.cluster_fields_by_name.get(name, {}).get("role")
+        if not self.sim_bootstrap_ports or role != "prefill":
+            return {}
+        return {"bootstrap_port": int(endpoints[0].rsplit(":", 1)[1])}
 
     def cluster_endpoints(self) -> dict[str, list[str]]:
         """Cluster name -> its engines' host:port, in start order."""

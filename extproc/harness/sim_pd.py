@@ -45,6 +45,8 @@ bytes per token.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -58,7 +60,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config.load import load_config
 from extproc.config.runtime import pd_topology
-from extproc.core.pd import Topology
+from extproc.core.pd import BOOTSTRAP_HOST, BOOTSTRAP_PORT, BOOTSTRAP_ROOM, Topology
 from extproc.harness.engine_formats import ORCA_FORMAT_HEADER
 from extproc.harness.kvmodel import ModelRequest
 from extproc.harness.prompts import ApiKind, PromptError
@@ -77,6 +79,12 @@ SIM_RELATION_HEADER = "x-sim-kv-relation"
 KV_TRANSFER_PARAMS = "kv_transfer_params"
 # The APIs llm-d's sidecar disaggregates; anything else goes to the local engine untouched.
 SIDECAR_APIS: frozenset[ApiKind] = frozenset({"openai-chat", "openai-completions"})
+# SGLang: the bootstrap port a null bootstrap_port means (the server's default), how long the
+# simulated bootstrap server holds a decode half waiting for its prefill, and how many rooms it
+# remembers.
+SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
+BOOTSTRAP_TIMEOUT_S = 30.0
+MAX_ROOMS = 4096
 # Prefill answers the sidecar passes back to the client instead of falling back to decode-only
 # (Go's http.StatusBadRequest .. http.StatusUnavailableForLegalReasons).
 CLIENT_ERRORS = (400, 451)
@@ -155,6 +163,12 @@ class PdSimCluster(SimCluster):
             super().__init__(config, clock=clock, registry=registry)
         self.pd = pd
         self._client: aiohttp.ClientSession | None = None
+        self._rooms: dict[int, asyncio.Future[tuple[str, float]]] = {}
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_get("/sim/bootstrap/{room}", self._bootstrap)
+        return app
 
     async def close_client(self) -> None:
         if self._client is not None:
@@ -173,6 +187,18 @@ class PdSimCluster(SimCluster):
         params = body.get(KV_TRANSFER_PARAMS)
         if isinstance(params, dict) and params.get("do_remote_decode") is True:
             return await self._prefill(request, api)
+        if BOOTSTRAP_ROOM in body:
+            # SGLang's protocol: the same body reaches both servers; the role decides the half.
+            rooms = body[BOOTSTRAP_ROOM]
+            room = rooms[0] if isinstance(rooms, list) and rooms else rooms
+            if not isinstance(room, int) or isinstance(room, bool):
+                return self._error(api, 400, "bootstrap_room must be an integer")
+            if self.pd.role == "prefill":
+                return await self._sglang_prefill(request, api, room)
+            hosts, ports = body.get(BOOTSTRAP_HOST), body.get(BOOTSTRAP_PORT)
+            host = hosts[0] if isinstance(hosts, list) and hosts else hosts
+            port = ports[0] if isinstance(ports, list) and ports else ports
+            return await self._sglang_decode(request, api, host, port, room)
         prefiller = _first_prefiller(request.headers.getall(PREFILLER_HEADER, []))
         if prefiller and self.pd.role != "prefill":
             return await self._disaggregated(request, api, body, prefiller)
@@ -241,11 +267,21 @@ class PdSimCluster(SimCluster):
             return await super()._serve(request, api)
         try:
             params = orjson.loads(data).get(KV_TRANSFER_PARAMS) or {}
+            tier = self._relation(params.get("remote_host"), params.get("remote_port"))
+        except (orjson.JSONDecodeError, AttributeError) as exc:
+            return self._error(api, 400, str(exc))
+        return await self._decode_remote(request, api, prefilled_by, prefill_ms, tier)
+
+    async def _decode_remote(
+        self, request: web.Request, api: ApiKind, prefilled_by: str, prefill_ms: float, tier: int
+    ) -> web.StreamResponse:
+        """Decode a request prefilled elsewhere: pull the KV blocks this cluster lacks over
+        the pair's link (``tier``: its topology relation), then generate."""
+        try:
             parsed = self._parse(api, await request.read())
-        except (orjson.JSONDecodeError, AttributeError, PromptError) as exc:
+        except PromptError as exc:
             return self._error(api, 400, str(exc))
         prefill_done = self._clock()
-        tier = self._relation(params)
         per_token = self.pd.kv_bytes_per_token / self.pd.topology.bandwidth(tier)
         self.executions[request.headers.get("x-request-id", "")] += 1
         evictions_before = self.model.cache.evictions
@@ -276,8 +312,85 @@ class PdSimCluster(SimCluster):
             self._full_body(parsed, plan, request_id), headers=headers_out, dumps=_dumps
         )
 
-    def _relation(self, params: Mapping[str, Any]) -> int:
-        host, port = params.get("remote_host"), params.get("remote_port")
+    # -- SGLang's bootstrap protocol ---------------------------------------------------------
+
+    def _room(self, room: int) -> asyncio.Future[tuple[str, float]]:
+        """The rendezvous of one bootstrap room: set by the prefill half when its prefill is
+        done (this prefiller's name, its simulated TTFT), awaited by the decode half."""
+        found = self._rooms.get(room)
+        if found is None:
+            while len(self._rooms) >= MAX_ROOMS:
+                # Rooms whose other half never came: the oldest go first.
+                self._rooms.pop(next(iter(self._rooms))).cancel()
+            found = self._rooms[room] = asyncio.get_running_loop().create_future()
+        return found
+
+    async def _sglang_prefill(
+        self, request: web.Request, api: ApiKind, room: int
+    ) -> web.StreamResponse:
+        """An SGLang prefill server's half: prefill (charged on this cluster's prefill queue),
+        then the KV is ready for the decode server that joins the room. The answer (one
+        token) goes to whoever sent the request; SGLang's router and Envoy's mirror drop it."""
+        try:
+            parsed = self._parse(api, await request.read())
+        except PromptError as exc:
+            return self._error(api, 400, str(exc))
+        self.executions[request.headers.get("x-request-id", "")] += 1
+        plan = self.model.admit(ModelRequest(parsed.hashes, parsed.prompt_tokens, 1), self._clock())
+        self._record(dataclasses.replace(parsed, output_tokens=1), plan, 0)
+        await self._sleep_until(plan.first_token_at)
+        prefill_ms = plan.sim_ttft_s * 1000.0
+        waiting = self._room(room)
+        if not waiting.done():
+            waiting.set_result((self.config.name, prefill_ms))
+        one = dataclasses.replace(parsed, output_tokens=1, stream=False)
+        self.metrics.requests.labels(api=api, code="200").inc()
+        return web.json_response(
+            self._full_body(one, plan, next(self._ids)),
+            headers=self._response_headers(plan),
+            dumps=_dumps,
+        )
+
+    async def _bootstrap(self, request: web.Request) -> web.Response:
+        """The prefill side's bootstrap server (simulated): wait until the room's prefill is
+        done (bounded), then tell the decode side who prefilled it and how long it took. Real
+        SGLang moves the KV over Mooncake/NIXL after this handshake; the sim charges the
+        transfer on the decode side from the pair's topology."""
+        try:
+            room = int(request.match_info["room"])
+        except ValueError:
+            return web.json_response({"error": "room must be an integer"}, status=400)
+        waiting = self._room(room)
+        try:
+            name, prefill_ms = await asyncio.wait_for(asyncio.shield(waiting), BOOTSTRAP_TIMEOUT_S)
+        except (TimeoutError, asyncio.CancelledError):
+            return web.json_response({"error": f"room {room}: no prefill"}, status=504)
+        self._rooms.pop(room, None)
+        return web.json_response({"prefilled_by": name, "prefill_ms": prefill_ms})
+
+    async def _sglang_decode(
+        self, request: web.Request, api: ApiKind, host: object, port: object, room: int
+    ) -> web.StreamResponse:
+        """An SGLang decode server's half: join the room at the prefill server's bootstrap
+        server, receive the KV, decode. A prefill that never comes fails the request before
+        any generation (SGLang aborts it with an error; status 500 here, not verified)."""
+        port = SGLANG_DEFAULT_BOOTSTRAP_PORT if port is None else port
+        if self._client is None:
+            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        try:
+            async with self._client.get(f"http://{host}:{port}/sim/bootstrap/{room}") as answer:
+                status, joined = answer.status, await answer.json() if answer.ok else {}
+        except (aiohttp.ClientError, OSError, ValueError) as exc:
+            status, joined = 502, {"error": str(exc)}
+        if status != 200:
+            self.metrics.requests.labels(api=api, code="bootstrap_failed").inc()
+            return self._error(api, 500, f"KV transfer from {host}:{port} failed (room {room})")
+        tier = self._relation(host, port)
+        return await self._decode_remote(
+            request, api, str(joined["prefilled_by"]), float(joined["prefill_ms"]), tier
+        )
+
+    def _relation(self, host: object, port: object) -> int:
         labels = self.pd.peers.get(f"{host}:{port}")
         if labels is None:
             return len(self.pd.topology.levels)  # an unknown peer: the slowest link

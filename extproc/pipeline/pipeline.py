@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping
+import secrets
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import unquote
 
@@ -45,12 +46,13 @@ from extproc.core.models import (
     model_list,
     model_object,
 )
-from extproc.core.pd import PrefillChoice
+from extproc.core.pd import PrefillChoice, bootstrap_batch, bootstrap_fields
 from extproc.core.placement import Placement, mix64
 from extproc.core.usage import SseUsageScanner, Usage, response_id_from_body, usage_from_body
 from extproc.ledger.gate import AdmissionGate
 from extproc.ledger.waiters import Queued
 from extproc.metrics import Metrics
+from extproc.names import prefill_mirror_cluster
 from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.fleet_state import FleetState
 from extproc.pipeline.outcomes import (
@@ -67,8 +69,8 @@ from extproc.pipeline.outcomes import (
 log = logging.getLogger("extproc.server")
 
 STATUS = ":status"
-# The status llm-d's routing sidecar answers when the prefiller cannot be reached (Go's
-# reverse proxy) ...
+# The status llm-d's routing sidecar answered when the prefiller could not be reached (Go's
+# reverse proxy), before it fell back to decode-only (llm-d-inference-scheduler PR #652) ...
 PREFILL_FAILED_STATUS = "502"
 # ... and how long such a prefiller is skipped: longer than a prober round (1 s) plus its
 # timeout, so the prober's view takes over before the mark expires.
@@ -130,8 +132,12 @@ class Pipeline:
         *,
         endpoint_health: EndpointHealth | None = None,
         fleet: FleetState | None = None,
+        rooms: Callable[[], int] = lambda: secrets.randbits(63),
     ) -> None:
         self._runtime = runtime
+        # SGLang's P/D protocol: bootstrap rooms, random as its router draws them (two
+        # processor replicas must not pair different requests in one room).
+        self._rooms = rooms
         self._metrics = metrics
         self._gate = gate
         self._endpoint_health = endpoint_health
@@ -844,8 +850,9 @@ class Pipeline:
         """
         runtime = self._runtime.current
         if hold.prefill_endpoint is not None and found.get(STATUS) == PREFILL_FAILED_STATUS:
-            # llm-d's sidecar answers 502 when it cannot reach the prefiller: skip it until the
-            # prober has had a round to confirm (a prober round alone leaves a second of 502s).
+            # llm-d's sidecar answered 502 when it could not reach the prefiller (newer ones
+            # fall back to decode-only and answer normally): skip it until the prober has had
+            # a round to confirm (a prober round alone leaves a second of 502s).
             self._prefill_down[hold.prefill_endpoint] = now
         served_header = runtime.served_by_header
         served_by = envoy_served
@@ -950,6 +957,34 @@ class Pipeline:
         hold.ticket = await self._gate.move(ticket, served, cls.budget)
 
     # -- the end ------------------------------------------------------------------------------
+    def wants_request_body(self) -> bool:
+        """Whether the protocol shell keeps the request body until the answer: SGLang's P/D
+        protocol rewrites it (:meth:`bootstrap_body`)."""
+        pd = self._runtime.current.pd
+        return pd is not None and pd.protocol == "sglang"
+
+    def bootstrap_body(self, outcome: Routed, body: bytes) -> tuple[str, bytes] | None:
+        """SGLang's P/D protocol: the Envoy cluster to mirror the request to (the chosen
+        prefill endpoint alone) and the body for both halves, with the bootstrap fields
+        SGLang's router adds (extproc.core.pd.bootstrap_fields). None when the request has no
+        prefiller (or the protocol is llm-d's): it goes on unchanged, and the decode target
+        prefills it itself."""
+        pd = self._runtime.current.pd
+        prefill = outcome.prefill
+        if pd is None or pd.protocol != "sglang" or prefill is None or prefill.endpoint is None:
+            return None
+        try:
+            request = orjson.loads(body)
+            batch = bootstrap_batch(request) if isinstance(request, dict) else None
+        except ValueError:  # orjson.JSONDecodeError, or an empty batch (the router's 400)
+            return None
+        if not isinstance(request, dict):
+            return None
+        endpoint = prefill.endpoint
+        rooms = [self._rooms() for _ in range(batch or 1)]
+        request.update(bootstrap_fields(endpoint.address, endpoint.bootstrap_port, rooms, batch))
+        return prefill_mirror_cluster(endpoint.address), orjson.dumps(request)
+
     async def release(self, hold: Hold) -> None:
         """Give back what the exchange holds; idempotent, never raises for the ledger."""
         routed, hold.routed_to = hold.routed_to, None

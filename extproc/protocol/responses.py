@@ -22,6 +22,7 @@ from extproc.names import (
     CLASS_HEADER,
     ENGINE_KEY_HEADER,
     IMMEDIATE_DETAILS_PREFIX,
+    PREFILL_MIRROR_HEADER,
     PREFILLER_HEADER,
     PRIMARY_HEADER,
     ROUTE_HEADER,
@@ -215,6 +216,7 @@ class RouteAnswers:
         prefiller: str | None = None,
         engine_key: str | None = None,
         skip_body: processing_mode_pb2.ProcessingMode | None = None,
+        mirror: tuple[str, bytes] | None = None,
     ) -> ep.ProcessingResponse:
         """Set routing headers and make Envoy re-pick the route.
 
@@ -246,7 +248,21 @@ class RouteAnswers:
         if prefiller is not None:
             # P/D: the decode-side sidecar (llm-d) prefills there, then decodes locally.
             sets.append(self._entry(PREFILLER_HEADER, prefiller))
+        if mirror is not None:
+            _mirror_to_prefill(common, mirror)
         return answer
+
+
+def _mirror_to_prefill(common: ep.CommonResponse, mirror: tuple[str, bytes]) -> None:
+    """SGLang's P/D protocol: the body with its bootstrap fields, for the decode target and,
+    through the route's request mirror (the cluster named in the header), for the prefill
+    endpoint. A body-phase answer only (the body is replaced whole, BUFFERED)."""
+    cluster, body = mirror
+    sets = common.header_mutation.set_headers
+    _add(sets, PREFILL_MIRROR_HEADER, cluster)
+    # The body changed length; the upstream reads exactly content-length bytes.
+    _add(sets, "content-length", str(len(body)))
+    common.body_mutation.body = body
 
 
 # The Inference Extension's Endpoint Picker protocol: the header and the envoy.lb metadata key
@@ -262,6 +278,7 @@ def endpoint_response(
     prefiller: str | None = None,
     skip_body: processing_mode_pb2.ProcessingMode | None = None,
     pool: str | None = None,
+    mirror: tuple[str, bytes] | None = None,
 ) -> ep.ProcessingResponse:
     """Answer in endpoint-picker mode: the primary's endpoint, then the fallback (to the body
     message, or with ``skip_body`` to the headers message, as :meth:`RouteAnswers.route`).
@@ -283,6 +300,8 @@ def endpoint_response(
     _add(sets, SESSION_HEADER, facts.session.label)
     if prefiller is not None:
         _add(sets, PREFILLER_HEADER, prefiller)
+    if mirror is not None:
+        _mirror_to_prefill(common, mirror)
     metadata = struct_pb2.Struct()
     metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: value}})
     answer.dynamic_metadata.CopyFrom(metadata)

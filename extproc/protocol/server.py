@@ -261,6 +261,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # stream, or, when the request has trailers, as they arrive, with end_of_stream=false
         # (the trailers message follows this answer). Either way this is the whole body, and
         # the answer's header mutation and clear_route_cache still route the request.
+        if self.pipeline.wants_request_body():
+            state.body = body
         outcome = await self.pipeline.decide_deferred(state.headers, body, started)
         if isinstance(outcome, Waiting):
             return outcome
@@ -291,6 +293,11 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if isinstance(outcome, Routed):
             state.hold = outcome.hold
             prefiller = outcome.prefill.address if outcome.prefill is not None else None
+            mirror = None
+            if state.body is not None:
+                # SGLang's P/D protocol: the bootstrap fields instead of llm-d's header.
+                mirror = self.pipeline.bootstrap_body(outcome, state.body)
+                state.body, prefiller = None, None
             if outcome.endpoints is None:
                 return self._answers.route(
                     outcome.route,
@@ -299,6 +306,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     prefiller,
                     outcome.engine_key,
                     skip_body,
+                    mirror,
                 )
             if not outcome.endpoints:
                 return responses.error_response(
@@ -308,7 +316,13 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     "no_ready_endpoint",
                 )
             return responses.endpoint_response(
-                outcome.route, outcome.facts, outcome.endpoints, prefiller, skip_body, outcome.pool
+                outcome.route,
+                outcome.facts,
+                outcome.endpoints,
+                prefiller,
+                skip_body,
+                outcome.pool,
+                mirror,
             )
         if isinstance(outcome, Rejected):
             return responses.reject_response(

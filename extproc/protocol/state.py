@@ -31,3 +31,6 @@ class StreamState:
     waits_at_headers: bool = False
     # What a routed exchange holds (budget, in-flight count, usage scanner) until it ends.
     hold: Hold | None = None
+    # SGLang's P/D protocol only: the request body, kept until the routing answer rewrites it
+    # (Pipeline.bootstrap_body), then dropped.
+    body: bytes | None = None

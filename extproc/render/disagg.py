@@ -26,6 +26,7 @@ from typing import Any
 
 from extproc.config.runtime import Runtime
 from extproc.config.schema import ClusterConfig
+from extproc.names import PREFILL_MIRROR_HEADER, prefill_mirror_cluster
 
 Json = dict[str, Any]
 
@@ -161,3 +162,40 @@ def render_disaggregated_sets(runtime: Runtime, namespace: str) -> list[Json]:
             }
         )
     return out
+
+
+# -- SGLang's protocol through Envoy ------------------------------------------------------------
+
+
+def sglang_protocol(runtime: Runtime) -> bool:
+    pd = runtime.pd
+    return pd is not None and pd.protocol == "sglang"
+
+
+def prefill_mirror_policies(runtime: Runtime) -> Json:
+    """SGLang's P/D protocol: the route field that sends the request, body included (with the
+    bootstrap fields the processor wrote), to the prefill endpoint the processor named in
+    x-fleet-prefill-mirror, as SGLang's router sends both halves at once. The mirror's answer
+    is dropped (the router uses the decode answer too); it is sent once per request, not per
+    retry; no header, no mirror. The host is kept as is (no "-shadow" suffix)."""
+    if not sglang_protocol(runtime):
+        return {}
+    return {
+        "request_mirror_policies": [
+            {"cluster_header": PREFILL_MIRROR_HEADER, "disable_shadow_host_suffix_append": True}
+        ]
+    }
+
+
+def prefill_mirror_targets(runtime: Runtime) -> list[tuple[str, str, str]]:
+    """(Envoy cluster name, endpoint, health path) per prefill endpoint: one cluster each, so
+    the mirror reaches exactly the host named in bootstrap_host (SGLang's protocol only)."""
+    pd = runtime.pd
+    if pd is None or not sglang_protocol(runtime):
+        return []
+    health = {c.name: c.health_path for c in runtime.clusters}
+    seen = {ep.address: ep.cluster for pool in pd.pools.values() for ep in pool}
+    return [
+        (prefill_mirror_cluster(address), address, health.get(cluster, "/health"))
+        for address, cluster in sorted(seen.items())
+    ]

@@ -36,6 +36,7 @@ from extproc.names import (
     ROUTE_HEADER,
     WAIT_TIMER_HEADROOM_S,
 )
+from extproc.render.disagg import prefill_mirror_policies, prefill_mirror_targets
 from extproc.render.envoy_served import response_attributes, tag_endpoint
 from extproc.render.local_reply import local_reply_config
 
@@ -254,6 +255,7 @@ def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
             "cluster": FALLBACK_CLUSTER,
             **timers,
             "retry_policy": _fallback_retry_policy(runtime),
+            **prefill_mirror_policies(runtime),
         },
     }
     if opts.mode == "ring_hash":
@@ -282,6 +284,7 @@ def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
             **timers,
             "retry_policy": _retry_policy(runtime),
             **_engine_hash_policy(runtime),
+            **prefill_mirror_policies(runtime),
         },
     }
     return [*pools, by_header, fallback]
@@ -685,11 +688,24 @@ def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
     return hcm
 
 
+def _prefill_mirrors(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
+    """SGLang's P/D protocol: one cluster per prefill endpoint, the request mirror's targets."""
+    return [
+        _inference_cluster(name, [address], health, opts)
+        for name, address, health in prefill_mirror_targets(runtime)
+    ]
+
+
 def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     if opts.mode == "extproc" and _picks_endpoints(runtime):
         # The pool data path: no per-cluster clusters and no pairs; nothing routes to them.
         pool = _pool(runtime, opts)
-        return [pool, *_model_pools(runtime, pool), _extproc_cluster(runtime, opts)]
+        return [
+            pool,
+            *_model_pools(runtime, pool),
+            *_prefill_mirrors(runtime, opts),
+            _extproc_cluster(runtime, opts),
+        ]
     clusters: list[Cluster] = list(runtime.clusters)
     out = [_inference_cluster(c.name, list(c.endpoints), c.health_path, opts) for c in clusters]
     if _sticky_engines(runtime, opts):
@@ -719,6 +735,7 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
     out.append(fallback)
     if opts.mode == "extproc":
         out.extend(_aggregate(p.name, s.name) for p, s in itertools.permutations(clusters, 2))
+        out.extend(_prefill_mirrors(runtime, opts))
         out.append(_extproc_cluster(runtime, opts))
     return out
 

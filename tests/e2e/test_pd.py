@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import orjson
 import pytest
@@ -45,12 +46,12 @@ ISLAND = {name: island for name, (_, _, island) in LAYOUT.items()}
 NVLINK_PEER = {"c1": "c3", "c2": "c5"}
 
 
-@pytest.fixture(scope="module")
-def pd_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
-    stack = FleetStack(
-        tmp_path_factory.mktemp("pd"),
+def pd_stack(path: Path, protocol: str = "llm-d") -> FleetStack:
+    return FleetStack(
+        path,
         clusters=len(LAYOUT),
         sims_read_fleet=True,
+        sim_bootstrap_ports=protocol == "sglang",
         sim_start_timeout_s=60.0,
         cluster_fields_by_name={
             name: {"role": role, "topology": {"nvlink": nvl, "island": ib}}
@@ -75,9 +76,20 @@ def pd_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
                 ]
             ),
             "flow": NO_PLACEMENT,
+            "disaggregation": {"protocol": protocol},
         },
     )
-    with stack:
+
+
+@pytest.fixture(scope="module")
+def pd_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    with pd_stack(tmp_path_factory.mktemp("pd")) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def sglang_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    with pd_stack(tmp_path_factory.mktemp("pd-sglang"), "sglang") as stack:
         yield stack
 
 
@@ -108,8 +120,37 @@ def sessions_on(stack: FleetStack, decode: str, count: int) -> list[str]:
 def test_decode_keeps_affinity_across_turns_and_prefill_stays_in_the_island(
     pd_fleet: FleetStack, make_client: MakeClient
 ) -> None:
-    runtime = load_runtime(pd_fleet.fleet_path)
-    client = make_client(pd_fleet.listener_port)
+    affinity_and_island(pd_fleet, make_client)
+
+
+def test_sglangs_bootstrap_protocol_pairs_both_halves_through_envoy(
+    sglang_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    # The processor writes bootstrap_host / bootstrap_port / bootstrap_room into the body and
+    # names the prefill endpoint's mirror cluster; Envoy sends the body to the decode target
+    # and mirrors it to the prefill server; the decode server joins the room at the prefill
+    # server's bootstrap port, which names itself (x-prefilled-by) and its prefill time.
+    affinity_and_island(sglang_fleet, make_client)
+    decode_runs = sum(sum(executions(sglang_fleet, name).values()) for name in ("c1", "c2"))
+    prefill_runs = sum(
+        sum(executions(sglang_fleet, name).values()) for name in ("c3", "c4", "c5", "c6")
+    )
+    # One generation per request on decode, one prefill per disaggregated request (the short
+    # one is not disaggregated: no mirror).
+    assert decode_runs == 8 * 3 + 1, decode_runs
+    assert prefill_runs == 8 * 3, prefill_runs
+
+
+def executions(stack: FleetStack, cluster: str) -> dict[str, int]:
+    status, raw = http_get(stack.sim_specs[cluster].port, "/admin/executions")
+    assert status == 200
+    counts: dict[str, int] = json.loads(raw)["executions"]
+    return counts
+
+
+def affinity_and_island(stack: FleetStack, make_client: MakeClient) -> None:
+    runtime = load_runtime(stack.fleet_path)
+    client = make_client(stack.listener_port)
     seen: collections.Counter[tuple[str, str, str]] = collections.Counter()
     prefillers: dict[str, set[str]] = collections.defaultdict(set)
     transfers: dict[int, list[float]] = {0: [], 2: []}
@@ -119,7 +160,7 @@ def test_decode_keeps_affinity_across_turns_and_prefill_stays_in_the_island(
         primary = placement_for(runtime, CHAT, body(long_text(sid)), headers).primary
         for turn in range(3):
             status, hdrs, data = client.post_json(CHAT, body(long_text(sid, turn)), headers)
-            assert status == 200, (status, data[:300], dump_logs(pd_fleet))
+            assert status == 200, (status, data[:300], dump_logs(stack))
             assert hdrs["x-served-by"] == primary
             seen[(hdrs["x-served-by"], hdrs[PREFILLED_BY], hdrs[SIM_RELATION_HEADER])] += 1
             prefillers[sid].add(hdrs[PREFILLED_BY])

@@ -3,6 +3,7 @@ KV-producer answer on the prefill side, transfer cost by topology relation."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import AsyncIterator
 from typing import Any
@@ -214,3 +215,51 @@ async def test_without_the_header_decode_prefills_itself(
         f"{fleet['decode'].url}/v1/messages", body, {PREFILLER_HEADER: addr(fleet["near"])}
     )
     assert status == 200 and PREFILLED_BY not in headers
+
+
+def sglang(body: dict[str, Any], prefill: RunningSimCluster, room: int) -> dict[str, Any]:
+    # What SGLang's router (and the processor in disaggregation.protocol "sglang") sends both.
+    fields = {
+        "bootstrap_host": prefill.host,
+        "bootstrap_port": prefill.port,
+        "bootstrap_room": room,
+    }
+    return {**body, **fields}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_sglangs_two_halves_meet_in_the_bootstrap_room(
+    fleet: dict[str, RunningSimCluster], stream: bool
+) -> None:
+    decode, far = fleet["decode"], fleet["far"]
+    sent = sglang(chat("far " + "token " * 4000, stream=stream), far, 77)
+    path = "/v1/chat/completions"
+    # Both at once, as the router (or Envoy's mirror) sends them; the decode half may arrive
+    # first and waits in the room.
+    (status, headers, raw), (p_status, _, p_raw) = await asyncio.gather(
+        post(decode.url + path, sent, {"x-request-id": "pair"}),
+        post(far.url + path, sent, {"x-request-id": "pair"}),
+    )
+    assert status == 200 and p_status == 200, (raw, p_raw)
+    assert headers["x-served-by"] == "d1" and headers[PREFILLED_BY] == "p-far"
+    assert headers[SIM_RELATION_HEADER] == "cross"
+    assert float(headers[SIM_TRANSFER_HEADER]) > 100  # ~5,000 tokens across islands
+    # One prefill (a one-token answer, dropped by the router) and one generation.
+    assert dict(far.cluster.executions) == {"pair": 1}
+    assert dict(decode.cluster.executions) == {"pair": 1}
+    if stream:
+        assert raw.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_sglang_decode_without_its_prefill_fails_before_generating(
+    fleet: dict[str, RunningSimCluster],
+) -> None:
+    dead = fleet["far"]
+    await dead.close()
+    status, _, raw = await post(
+        f"{fleet['decode'].url}/v1/chat/completions",
+        sglang(chat("hello"), dead, 5),
+        {"x-request-id": "orphan"},
+    )
+    assert status == 500 and b"KV transfer" in raw
+    assert fleet["decode"].cluster.executions["orphan"] == 0
