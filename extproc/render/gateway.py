@@ -37,6 +37,7 @@ from extproc.config.runtime import Runtime
 from extproc.core.decide import Placer
 from extproc.core.fleet import Cluster
 from extproc.names import BUFFER_HEADROOM, ROUTE_HEADER
+from extproc.render.disagg import LABEL_PREFIX as DISAGG_LABEL_PREFIX
 from extproc.render.envoy import (
     LOCAL_ORIGIN_EJECT_AFTER,
     RETRIABLE_STATUSES,
@@ -774,7 +775,7 @@ def render_inference_pool(runtime: Runtime, opts: GatewayOptions) -> Json:
         "InferencePool",
         _meta(POOL, opts.namespace, "pool"),
         spec={
-            "selector": {"matchLabels": dict(opts.pool_selector)},
+            "selector": {"matchLabels": {**dict(opts.pool_selector), **pd_pool_labels(runtime)}},
             "targetPorts": [{"number": p} for p in opts.pool_ports],
             # The processor acts as the pool's Endpoint Picker over gRPC ext_proc.
             "endpointPickerRef": {
@@ -786,6 +787,32 @@ def render_inference_pool(runtime: Runtime, opts: GatewayOptions) -> Json:
             },
         },
     )
+
+
+def pd_pool_labels(runtime: Runtime) -> dict[str, str]:
+    """P/D: the pool holds the decode pods only. The processor never picks a prefill pod,
+    but with the processor unreachable (FailOpen) the gateway balances over the whole pool; a
+    prefill pod must not take whole requests then. The pods carry their cluster's role
+    (render/disagg.py); a label selector cannot say "decode or both", so a P/D fleet whose
+    other clusters mix the two keeps the configured selector."""
+    roles = {c.role for c in runtime.config.clusters}
+    if roles == {"prefill", "decode"}:
+        return {f"{DISAGG_LABEL_PREFIX}role": "decode"}
+    return {}
+
+
+def refuse_sglang_protocol(runtime: Runtime) -> None:
+    """SGLang's P/D protocol sends the request to the prefill endpoint too, through Envoy's
+    request mirror chosen by a header (render/disagg.py). Neither Envoy Gateway's HTTPRoute
+    (its RequestMirror filter names a fixed backend) nor the Inference Extension expresses
+    that, so ``extproc gateway`` refuses it rather than render a fleet whose prefill servers
+    never hear of the request."""
+    pd = runtime.pd
+    if pd is not None and pd.protocol == "sglang":
+        raise GatewayRenderError(
+            "disaggregation.protocol sglang needs Envoy's header-chosen request mirror: render "
+            "plain Envoy (extproc envoy), or use protocol llm-d behind a Gateway"
+        )
 
 
 def render_pool_route(runtime: Runtime, opts: GatewayOptions) -> Json:
@@ -884,6 +911,7 @@ def render_manifests(
 ) -> list[Json]:
     """Every object for ``opts.mode``, in apply order (config and workload first)."""
     opts = opts or GatewayOptions()
+    refuse_sglang_protocol(runtime)
     if opts.mode == "all" and not opts.pool_hostname:
         raise GatewayRenderError(
             "mode all: give --pool-hostname, or the pool route and the fleet routes would both "

@@ -46,7 +46,7 @@ ISLAND = {name: island for name, (_, _, island) in LAYOUT.items()}
 NVLINK_PEER = {"c1": "c3", "c2": "c5"}
 
 
-def pd_stack(path: Path, protocol: str = "llm-d") -> FleetStack:
+def pd_stack(path: Path, protocol: str = "llm-d", mode: str = "auto") -> FleetStack:
     return FleetStack(
         path,
         clusters=len(LAYOUT),
@@ -77,6 +77,7 @@ def pd_stack(path: Path, protocol: str = "llm-d") -> FleetStack:
             ),
             "flow": NO_PLACEMENT,
             "disaggregation": {"protocol": protocol},
+            "processor": {"mode": mode},
         },
     )
 
@@ -84,6 +85,12 @@ def pd_stack(path: Path, protocol: str = "llm-d") -> FleetStack:
 @pytest.fixture(scope="module")
 def pd_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
     with pd_stack(tmp_path_factory.mktemp("pd")) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def picker_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    with pd_stack(tmp_path_factory.mktemp("pd-picker"), mode="endpoint_picker") as stack:
         yield stack
 
 
@@ -121,6 +128,15 @@ def test_decode_keeps_affinity_across_turns_and_prefill_stays_in_the_island(
     pd_fleet: FleetStack, make_client: MakeClient
 ) -> None:
     affinity_and_island(pd_fleet, make_client)
+
+
+def test_endpoint_picker_mode_carries_the_prefiller_too(
+    picker_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    # The processor as the pool's endpoint picker (one Envoy cluster, override_host): the
+    # decode endpoint in x-gateway-destination-endpoint / envoy.lb metadata, the prefiller in
+    # x-prefiller-host-port of the same answer, as llm-d's scheduler answers as an EPP.
+    affinity_and_island(picker_fleet, make_client)
 
 
 def test_sglangs_bootstrap_protocol_pairs_both_halves_through_envoy(

@@ -108,3 +108,42 @@ def test_a_fleet_that_does_not_fit_a_disaggregated_set_is_refused() -> None:
     cfg["clusters"] = [c for c in cfg["clusters"] if c["name"] != "p2"]
     with pytest.raises(DisaggRenderError, match="island 'ib-2' has 1 clusters"):
         sets_of(cfg)
+
+
+def test_the_inference_pool_of_a_pd_fleet_selects_its_decode_pods() -> None:
+    # Gateway (inference-pool) mode: the processor is the pool's endpoint picker and names the
+    # prefiller in the same answer (x-prefiller-host-port, as llm-d's scheduler does as an EPP);
+    # the pool itself holds the decode pods only, so that fail-open never sends a whole
+    # request to a prefill pod. Pods carry their cluster's role (render_disaggregated_sets).
+    from extproc.render.gateway import GatewayOptions, render_inference_pool
+
+    opts = GatewayOptions(mode="inference-pool", pool_ports=(8000,))
+    runtime = compile_runtime(parse_config(pd_config(), "t.yaml"))
+    selector = render_inference_pool(runtime, opts)["spec"]["selector"]["matchLabels"]
+    configured = dict(opts.pool_selector)
+    assert selector == {**configured, f"{LABEL_PREFIX}role": "decode"}
+    decode_pods = [
+        role["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"]
+        for s in render_disaggregated_sets(runtime, "ns")
+        for role in s["spec"]["roles"]
+        if role["metadata"]["labels"][f"{LABEL_PREFIX}role"] == "decode"
+    ]
+    assert decode_pods and all(
+        selector.items() - configured.items() <= labels.items() for labels in decode_pods
+    )
+    # A fleet without roles keeps the configured selector.
+    plain = compile_runtime(
+        parse_config({"version": 1, "clusters": [{"name": "a", "endpoints": ["h:1"]}]}, "t.yaml")
+    )
+    assert render_inference_pool(plain, opts)["spec"]["selector"]["matchLabels"] == configured
+
+
+def test_gateway_modes_refuse_sglangs_protocol() -> None:
+    from extproc.render.gateway import GatewayOptions, GatewayRenderError, render_manifests
+
+    cfg = pd_config()
+    cfg["disaggregation"] = {"protocol": "sglang"}
+    runtime = compile_runtime(parse_config(cfg, "t.yaml"))
+    for mode in ("envoy-gateway", "inference-pool"):
+        with pytest.raises(GatewayRenderError, match="request mirror"):
+            render_manifests(runtime, "", GatewayOptions(mode=mode, pool_ports=(8000,)))
