@@ -52,7 +52,8 @@ def pd_stack(path: Path, protocol: str = "llm-d", mode: str = "auto") -> FleetSt
         clusters=len(LAYOUT),
         sims_read_fleet=True,
         sim_bootstrap_ports=protocol == "sglang",
-        sim_start_timeout_s=60.0,
+        # Six simulated clusters start at once: on a loaded machine each takes tens of seconds.
+        sim_start_timeout_s=120.0,
         cluster_fields_by_name={
             name: {"role": role, "topology": {"nvlink": nvl, "island": ib}}
             for name, (role, nvl, ib) in LAYOUT.items()
