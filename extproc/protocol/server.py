@@ -267,6 +267,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if isinstance(outcome, Waiting):
             return outcome
         answer = self._answer(state, outcome, responses.CONTINUE_BODY)
+        state.body = None  # answered: a kept body is not held for the whole generation
         if isinstance(outcome, (Routed, Rejected)):
             self._metrics.decision_seconds.observe(self._clock() - started)
         return answer
