@@ -134,7 +134,7 @@ def test_the_answer_replaces_the_body_and_names_the_mirror() -> None:
         assert sets["content-length"] == str(len(mirror[1]))
         assert PREFILLER_HEADER not in sets
         picked = responses.endpoint_response(
-            out.route, out.facts, ("127.0.0.1:8001",), None, None, mirror
+            out.route, out.facts, ("127.0.0.1:8001",), mirror=mirror
         )
         assert picked.request_body.response.body_mutation.body == mirror[1]
 
