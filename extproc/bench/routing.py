@@ -363,8 +363,9 @@ def run_setup(
             workdir,
             clusters=profile.clusters,
             engines=profile.engines,
-            # Many engine processes start at once: slower on a loaded 2-core machine.
-            sim_start_timeout_s=20.0 * max(1, profile.engines),
+            # Many engine processes start at once: slower on a loaded 2-core machine (at load
+            # ~30, 20 s per engine was not enough for 8 clusters to come up).
+            sim_start_timeout_s=90.0 * max(1, profile.engines),
             mode=envoy_mode(mode),
             sim_args=profile.sim_args(),
             fleet_overrides=overrides,
