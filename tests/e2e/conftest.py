@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
 from extproc.core.placement import Placement
@@ -18,6 +19,12 @@ def fleet4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
     stack = FleetStack(tmp_path_factory.mktemp("fleet4"), clusters=4)
     with stack:
         yield stack
+
+
+def chat_body(text: str, max_tokens: int = 2) -> bytes:
+    """A one-message OpenAI chat body, the request most e2e tests send."""
+    doc = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+    return orjson.dumps(doc)
 
 
 def dump_logs(stack: FleetStack) -> str:

@@ -17,7 +17,7 @@ import pytest
 
 from extproc.config import load_runtime
 from extproc.harness.launch import Client, FleetStack
-from tests.e2e.conftest import MakeClient, dump_logs
+from tests.e2e.conftest import MakeClient, chat_body, dump_logs
 from tests.e2e.predict import placement_for
 
 CHAT = "/v1/chat/completions"
@@ -28,12 +28,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
     stack = FleetStack(tmp_path_factory.mktemp("backpressure"), clusters=3)
     with stack:
         yield stack
-
-
-def _body(text: str) -> bytes:
-    return orjson.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
-    )
 
 
 def _admin(
@@ -79,7 +73,7 @@ def test_engine_429_and_503_move_the_request_once_and_eject_nothing(
 ) -> None:
     runtime = load_runtime(fleet.fleet_path)
     headers = {"x-session-id": "backpressure-session"}
-    body = _body("are you busy?")
+    body = chat_body("are you busy?")
     placement = placement_for(runtime, CHAT, body, headers)
     primary, secondary = placement.primary, placement.secondary
     assert secondary is not None
@@ -111,7 +105,7 @@ def test_engine_429_and_503_move_the_request_once_and_eject_nothing(
 def test_a_second_refusal_reaches_the_client(fleet: FleetStack, make_client: MakeClient) -> None:
     runtime = load_runtime(fleet.fleet_path)
     headers = {"x-session-id": "everyone-is-busy"}
-    body = _body("anyone free?")
+    body = chat_body("anyone free?")
     placement = placement_for(runtime, CHAT, body, headers)
     assert placement.secondary is not None
     busy = (placement.primary, placement.secondary)
@@ -150,7 +144,7 @@ def test_a_reset_after_the_engine_took_the_request_is_not_retried(
 ) -> None:
     runtime = load_runtime(fleet.fleet_path)
     headers = {"x-session-id": "crash-mid-prefill"}
-    body = _body("a long prefill")
+    body = chat_body("a long prefill")
     placement = placement_for(runtime, CHAT, body, headers)
     primary, secondary = placement.primary, placement.secondary
     assert secondary is not None

@@ -16,7 +16,7 @@ import pytest
 
 from extproc.config import load_runtime
 from extproc.harness.launch import FleetStack
-from tests.e2e.conftest import MakeClient, dump_logs, kill_primary_then_restart
+from tests.e2e.conftest import MakeClient, chat_body, dump_logs, kill_primary_then_restart
 from tests.e2e.predict import placement_for
 
 CHAT = "/v1/chat/completions"
@@ -33,11 +33,6 @@ def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         yield stack
 
 
-def _body(text: str) -> bytes:
-    doc = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
-    return orjson.dumps(doc)
-
-
 def test_picker_sends_sessions_to_primary_endpoint_and_falls_back(
     picker: FleetStack, make_client: MakeClient
 ) -> None:
@@ -45,13 +40,13 @@ def test_picker_sends_sessions_to_primary_endpoint_and_falls_back(
     client = make_client(picker.listener_port)
     for i in range(20):
         headers = {"x-session-id": f"epp-{i}"}
-        body = _body("hello")
+        body = chat_body("hello")
         status, hdrs, data = client.post_json(CHAT, body, headers)
         assert status == 200, (data[:200], dump_logs(picker))
         assert hdrs["x-served-by"] == placement_for(runtime, CHAT, body, headers).primary
 
     headers = {"x-session-id": "epp-failover"}
-    body = _body("keep going")
+    body = chat_body("keep going")
     placement = placement_for(runtime, CHAT, body, headers)
     kill_primary_then_restart(picker, client, CHAT, body, headers, placement)
 
@@ -62,7 +57,7 @@ def test_no_ready_endpoint_gets_503_json(picker: FleetStack, make_client: MakeCl
     client = make_client(picker.listener_port)
     deadline = time.monotonic() + 10
     while True:
-        status, hdrs, data = client.post_json(CHAT, _body("anyone?"))
+        status, hdrs, data = client.post_json(CHAT, chat_body("anyone?"))
         # Until the picker's probes see every endpoint gone, Envoy tries the picked one and
         # answers its own 503 (also JSON since Envoy's local replies are rendered as JSON).
         if status == 503 and hdrs.get("content-type") == "application/json":

@@ -7,12 +7,11 @@ import signal
 import time
 from collections.abc import Iterator
 
-import orjson
 import pytest
 
 from extproc.config import load_runtime
 from extproc.harness.launch import FleetStack
-from tests.e2e.conftest import MakeClient, dump_logs
+from tests.e2e.conftest import MakeClient, chat_body, dump_logs
 from tests.e2e.predict import placement_for
 
 CHAT = "/v1/chat/completions"
@@ -25,18 +24,12 @@ def fleet3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         yield stack
 
 
-def _body(text: str) -> bytes:
-    return orjson.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
-    )
-
-
 def test_primary_killed_moves_session_to_secondary_and_back(
     fleet3: FleetStack, make_client: MakeClient
 ) -> None:
     runtime = load_runtime(fleet3.fleet_path)
     headers = {"x-session-id": "failover-session"}
-    body = _body("keep talking")
+    body = chat_body("keep talking")
     placement = placement_for(runtime, CHAT, body, headers)
     primary, secondary = placement.primary, placement.secondary
     assert secondary is not None
@@ -86,7 +79,7 @@ def test_processor_down_fails_open_and_ignores_spoofed_route(
         c: fleet3.envoy_stat(f"cluster.{c}.upstream_rq_total") for c in ("c3", "all_clusters")
     }
     for i in range(30):
-        status, hdrs, data = client.post_json(CHAT, _body(f"fail open {i}"), spoofed)
+        status, hdrs, data = client.post_json(CHAT, chat_body(f"fail open {i}"), spoofed)
         assert status == 200, data[:200]
         counts[hdrs["x-served-by"]] += 1
     # Every request took the fallback route, none the spoofed cluster.
@@ -98,7 +91,7 @@ def test_processor_down_fails_open_and_ignores_spoofed_route(
     # Back up: routing by the processor resumes.
     fleet3.start_processor(0)
     runtime = load_runtime(fleet3.fleet_path)
-    body = _body("after restart")
+    body = chat_body("after restart")
     expected = placement_for(runtime, CHAT, body, {"x-session-id": "s"}).primary
     for _ in range(5):
         status, hdrs, _ = client.post_json(CHAT, body, {"x-session-id": "s"})

@@ -19,19 +19,13 @@ import pytest
 
 from extproc.config import load_runtime
 from extproc.harness.launch import Client, FleetStack, http_get, wait_until
-from tests.e2e.conftest import MakeClient, dump_logs
+from tests.e2e.conftest import MakeClient, chat_body, dump_logs
 from tests.e2e.predict import placement_for
 from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 CHAT = "/v1/chat/completions"
 BUDGET = 2
 CLASSES: list[dict[str, Any]] = [{"name": "chat", "budget": {"max_concurrent": BUDGET}}]
-
-
-def _body(text: str) -> bytes:
-    return orjson.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 8}
-    )
 
 
 def _metric(stack: FleetStack, name: str, **labels: str) -> float:
@@ -54,7 +48,9 @@ def _sessions(stack: FleetStack, primary: str, secondary: str | None, n: int) ->
     found: list[str] = []
     for i in range(20_000):
         sid = f"{primary}-{i}"
-        placement = placement_for(runtime, CHAT, _body(sid), {"x-session-id": sid})
+        placement = placement_for(
+            runtime, CHAT, chat_body(sid, max_tokens=8), {"x-session-id": sid}
+        )
         if placement.primary == primary and secondary in (None, placement.secondary):
             found.append(sid)
             if len(found) == n:
@@ -86,13 +82,13 @@ def test_failover_is_seen_from_envoy_without_a_served_by_header(
 ) -> None:
     (sid,) = _sessions(observed, "c1", None, 1)
     runtime = load_runtime(observed.fleet_path)
-    placement = placement_for(runtime, CHAT, _body(sid), {"x-session-id": sid})
+    placement = placement_for(runtime, CHAT, chat_body(sid, max_tokens=8), {"x-session-id": sid})
     secondary = placement.secondary
     assert secondary is not None
     client = make_client(observed.listener_port)
     headers = {"x-session-id": sid}
     for _ in range(3):
-        status, hdrs, _ = client.post_json(CHAT, _body(sid), headers)
+        status, hdrs, _ = client.post_json(CHAT, chat_body(sid, max_tokens=8), headers)
         assert status == 200 and hdrs["x-served-by"] == "c1"
     assert _metric(observed, "fleet_failovers_observed_total", cluster="c1") == 0
     before = _metric(observed, "fleet_upstream_output_tokens_total", cluster=secondary)
@@ -100,7 +96,7 @@ def test_failover_is_seen_from_envoy_without_a_served_by_header(
     observed.sims["c1"].kill()
     served: collections.Counter[str] = collections.Counter()
     for _ in range(10):
-        status, hdrs, data = client.post_json(CHAT, _body(sid), headers)
+        status, hdrs, data = client.post_json(CHAT, chat_body(sid, max_tokens=8), headers)
         assert status == 200, (data[:200], dump_logs(observed))
         served[hdrs["x-served-by"]] += 1
     assert served == {secondary: 10}
@@ -157,7 +153,7 @@ def _concurrency(stack: FleetStack, name: str, reset: bool = False) -> dict[str,
 def _post(stack: FleetStack, sid: str) -> int:
     client = Client(stack.listener_port)
     try:
-        status, _, _ = client.post_json(CHAT, _body(sid), {"x-session-id": sid})
+        status, _, _ = client.post_json(CHAT, chat_body(sid, max_tokens=8), {"x-session-id": sid})
         return status
     finally:
         client.close()

@@ -16,16 +16,11 @@ import redis
 
 from extproc.config import load_runtime
 from extproc.harness.launch import Client, FleetStack, http_get, wait_until
-from tests.e2e.conftest import MakeClient, dump_logs
+from tests.e2e.conftest import MakeClient, chat_body, dump_logs
 from tests.e2e.predict import placement_for
 from tests.support.redis_server import RedisServer
 
 CHAT = "/v1/chat/completions"
-
-
-def _body(text: str, max_tokens: int = 2) -> bytes:
-    doc = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
-    return orjson.dumps(doc)
 
 
 def _metric(stack: FleetStack, name: str, **labels: str) -> float:
@@ -43,7 +38,7 @@ def test_metrics_carry_the_right_labels_after_traffic(
     client = make_client(fleet4.listener_port)
     before = _metric(fleet4, "fleet_requests_total", api="openai.chat", outcome="routed")
     for i in range(5):
-        assert client.post_json(CHAT, _body(f"metrics {i}"))[0] == 200
+        assert client.post_json(CHAT, chat_body(f"metrics {i}"))[0] == 200
     anthropic = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert client.post_json("/v1/messages", anthropic)[0] == 200
     assert client.post_json(CHAT, b"{nope")[0] == 400
@@ -77,7 +72,7 @@ def test_reload_adds_a_cluster_without_restarting_envoy_or_the_processor(
     envoy_pid = dynamic.envoy.popen.pid if dynamic.envoy and dynamic.envoy.popen else None
     processor_pid = dynamic.procs[0].popen.pid if dynamic.procs[0].popen else None
     client = make_client(dynamic.listener_port)
-    bodies = [(f"reload-{i}", _body("hello")) for i in range(200)]
+    bodies = [(f"reload-{i}", chat_body("hello")) for i in range(200)]
     for sid, body in bodies[:20]:
         assert client.post_json(CHAT, body, {"x-session-id": sid})[0] == 200
 
@@ -158,7 +153,7 @@ def test_readiness_follows_redis(
             assert detail["degraded"] is True
             # closed: a replica that can only reject is not ready; local: knowingly degraded.
             assert status == (503 if policy == "closed" else 200), detail
-            answer = client.post_json(CHAT, _body("during outage"))[0]
+            answer = client.post_json(CHAT, chat_body("during outage"))[0]
             assert answer == (503 if policy == "closed" else 200)
             redis_server.start()
             wait_until(
@@ -166,7 +161,7 @@ def test_readiness_follows_redis(
                 10,
                 "recovery",
             )
-            assert client.post_json(CHAT, _body("after outage"))[0] == 200
+            assert client.post_json(CHAT, chat_body("after outage"))[0] == 200
 
 
 def test_sigterm_drains_without_losing_requests_or_budget(
@@ -201,7 +196,7 @@ def test_sigterm_drains_without_losing_requests_or_budget(
                 try:
                     while not stop.is_set():
                         i += 1
-                        status, _, _ = client.post_json(CHAT, _body(f"drain {worker} {i}", 16))
+                        status, _, _ = client.post_json(CHAT, chat_body(f"drain {worker} {i}", 16))
                         statuses[status] += 1
                 except Exception as exc:  # noqa: BLE001 - recorded, asserted on below
                     errors.append(exc)
@@ -248,7 +243,7 @@ def test_debug_logs_carry_request_id_and_never_prompt_or_raw_session(
             secret_prompt = "my very private prompt text 12345"
             status, headers, _ = client.post_json(
                 CHAT,
-                _body(secret_prompt),
+                chat_body(secret_prompt),
                 {"x-session-id": "raw-session-id-abc", "x-request-id": "req-42"},
             )
         finally:

@@ -15,14 +15,13 @@ import threading
 import time
 from collections.abc import Iterator
 
-import orjson
 import pytest
 
 from extproc.config import Runtime, load_runtime
 from extproc.core.placement import Placement
 from extproc.explain import explain_remote
 from extproc.harness.launch import Client, FleetStack, wait_until
-from tests.e2e.conftest import MakeClient, dump_logs, kill_primary_then_restart
+from tests.e2e.conftest import MakeClient, chat_body, dump_logs, kill_primary_then_restart
 from tests.e2e.predict import placement_for
 
 CHAT = "/v1/chat/completions"
@@ -44,16 +43,11 @@ def fleet64(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         yield stack
 
 
-def _body(text: str) -> bytes:
-    doc = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2}
-    return orjson.dumps(doc)
-
-
 def _session_apart(stack: FleetStack, runtime: Runtime, tag: str) -> tuple[str, Placement]:
     """A session whose primary and secondary are served by different processes."""
     for i in range(1000):
         sid = f"{tag}-{i}"
-        placement = placement_for(runtime, CHAT, _body(tag), {"x-session-id": sid})
+        placement = placement_for(runtime, CHAT, chat_body(tag), {"x-session-id": sid})
         assert placement.secondary is not None
         if placement.secondary not in stack.sim_group(placement.primary):
             return sid, placement
@@ -72,7 +66,7 @@ def test_auto_picks_the_pool_and_envoy_holds_one_cluster_for_the_fleet(
     client = make_client(fleet64.listener_port)
     for i in range(30):
         headers = {"x-session-id": f"scale-{i}"}
-        body = _body("hello")
+        body = chat_body("hello")
         status, hdrs, data = client.post_json(CHAT, body, headers)
         assert status == 200, (data[:200], dump_logs(fleet64))
         assert hdrs["x-served-by"] == placement_for(runtime, CHAT, body, headers).primary
@@ -84,7 +78,7 @@ def test_failover_to_the_secondary_without_a_failed_request_and_back(
     runtime = load_runtime(fleet64.fleet_path)
     sid, placement = _session_apart(fleet64, runtime, "failover")
     headers = {"x-session-id": sid}
-    body = _body("failover")
+    body = chat_body("failover")
     client = make_client(fleet64.listener_port)
     assert client.post_json(CHAT, body, headers)[1]["x-served-by"] == placement.primary
     # SIGKILL the primary's process (and the 15 clusters it shares it with): connections are
@@ -98,7 +92,7 @@ def test_a_failing_health_check_excludes_the_cluster_and_its_return_restores_it(
     runtime = load_runtime(fleet64.fleet_path)
     sid, placement = _session_apart(fleet64, runtime, "health")
     headers = {"x-session-id": sid}
-    body = _body("health")
+    body = chat_body("health")
     admin = f"http://127.0.0.1:{fleet64.metrics_ports[0]}"
     client = make_client(fleet64.listener_port)
     endpoint = f"127.0.0.1:{fleet64.sim_specs[placement.primary].port}"
@@ -148,7 +142,7 @@ def test_a_cluster_added_under_traffic_fails_no_request(fleet64: FleetStack) -> 
             i = 0
             while not stop.is_set():
                 status, _h, _d = client.post_json(
-                    CHAT, _body("under reload"), {"x-session-id": f"reload-{i % 200}"}
+                    CHAT, chat_body("under reload"), {"x-session-id": f"reload-{i % 200}"}
                 )
                 statuses[status] += 1
                 i += 1
@@ -166,7 +160,7 @@ def test_a_cluster_added_under_traffic_fails_no_request(fleet64: FleetStack) -> 
             f"reload-{i}"
             for i in range(200)
             if placement_for(
-                after, CHAT, _body("under reload"), {"x-session-id": f"reload-{i}"}
+                after, CHAT, chat_body("under reload"), {"x-session-id": f"reload-{i}"}
             ).primary
             == name
         ]
@@ -176,7 +170,7 @@ def test_a_cluster_added_under_traffic_fails_no_request(fleet64: FleetStack) -> 
 
             def new_cluster_serves() -> bool:
                 status, hdrs, _ = probe.post_json(
-                    CHAT, _body("under reload"), {"x-session-id": moved[0]}
+                    CHAT, chat_body("under reload"), {"x-session-id": moved[0]}
                 )
                 assert status == 200
                 return hdrs["x-served-by"] == name
