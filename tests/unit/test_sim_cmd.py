@@ -10,32 +10,13 @@ import pytest
 from extproc.cli import main
 from extproc.sim.cmd import parse_budget, parse_slo
 from extproc.sim.events import Kind, parse_event, validate
-from extproc.sim.traffic import mooncake_like
-
-
-def _write_trace(path: Path) -> Path:
-    trace = mooncake_like(seed=4, sessions=600, duration_s=300.0)
-    path.write_text(
-        "\n".join(
-            json.dumps(
-                {
-                    "timestamp": r.timestamp_ms,
-                    "input_length": r.input_length,
-                    "output_length": r.output_length,
-                    "hash_ids": list(r.hash_ids),
-                }
-            )
-            for r in trace.requests
-        )
-        + "\n"
-    )
-    return path
+from tests.support.traces import write_mooncake_trace
 
 
 def test_simulate_writes_table_json_and_png(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    trace = _write_trace(tmp_path / "t.jsonl")
+    trace = write_mooncake_trace(tmp_path / "t.jsonl", sessions=600)
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     code = main(
         [
@@ -87,7 +68,7 @@ def test_synthetic_workload_runs(tmp_path: Path, capsys: pytest.CaptureFixture[s
 def test_bad_scripts_are_refused_with_a_reason(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
-    trace = _write_trace(tmp_path / "t.jsonl")
+    trace = write_mooncake_trace(tmp_path / "t.jsonl", sessions=600)
     code = main(["simulate", "--trace", str(trace), "--clusters", "4", "--quiet", *args])
     assert code == 2
     assert message in capsys.readouterr().err

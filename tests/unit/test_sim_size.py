@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import resource
 from pathlib import Path
 
@@ -12,25 +11,7 @@ import pytest
 from extproc.cli import main
 from extproc.sim.scenario import BYTES_PER_REQUEST, SimOptions, build, check_size
 from extproc.sim.traffic import base_from_trace, mooncake_like
-
-
-def _trace(path: Path) -> Path:
-    trace = mooncake_like(seed=4, sessions=300, duration_s=300.0)
-    path.write_text(
-        "\n".join(
-            json.dumps(
-                {
-                    "timestamp": r.timestamp_ms,
-                    "input_length": r.input_length,
-                    "output_length": r.output_length,
-                    "hash_ids": list(r.hash_ids),
-                }
-            )
-            for r in trace.requests
-        )
-        + "\n"
-    )
-    return path
+from tests.support.traces import write_mooncake_trace
 
 
 def test_the_issue_case_is_refused_before_any_allocation() -> None:
@@ -62,7 +43,7 @@ def test_the_limit_counts_every_worker() -> None:
 def test_the_command_refuses_with_a_clear_message(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    trace = _trace(tmp_path / "t.jsonl")
+    trace = write_mooncake_trace(tmp_path / "t.jsonl", sessions=300)
     code = main(
         [
             "simulate", "--trace", str(trace), "--clusters", "4", "--quiet",
