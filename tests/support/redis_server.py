@@ -24,26 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
-HOST = "127.0.0.1"
+from extproc.harness.launch import LOOPBACK, free_port
+from extproc.reliability.redis_proc import ping
 
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def ping(port: int, timeout: float = 0.5) -> bool:
-    """True when a Redis server answers PING on 127.0.0.1:port (raw RESP, no client library)."""
-    try:
-        with socket.create_connection((HOST, port), timeout=timeout) as sock:
-            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
-    except OSError:
-        return False
+# The processor's own loopback helpers: one definition of "a free port" and of "Redis answers".
+HOST = LOOPBACK
 
 
 @functools.cache
@@ -57,7 +44,32 @@ def _debug_command_args(executable: str) -> tuple[str, ...]:
     return ("--enable-debug-command", "local")
 
 
-class RedisServer:
+class _Started:
+    """``with`` starts the server(s) and closes them on exit, also when start() fails half-way."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class RedisServer(_Started):
     def __init__(
         self,
         port: int | None = None,
@@ -179,21 +191,6 @@ class RedisServer:
         finally:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def __enter__(self) -> RedisServer:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 def free_cluster_port() -> int:
     """A free port whose cluster-bus port (port + 10000) is free too."""
@@ -225,7 +222,7 @@ def command(port: int, *args: str, timeout: float = 2.0) -> str:
     return out.stdout
 
 
-class RedisClusterServers:
+class RedisClusterServers(_Started):
     """A real Redis Cluster on 127.0.0.1: ``masters`` primaries with ``replicas`` each.
 
         with RedisClusterServers() as cluster:      # 3 primaries + 3 replicas, state ok
@@ -352,18 +349,3 @@ class RedisClusterServers:
     def close(self) -> None:
         for server in self.nodes.values():
             server.close()
-
-    def __enter__(self) -> RedisClusterServers:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
