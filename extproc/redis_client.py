@@ -19,9 +19,15 @@ from __future__ import annotations
 
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 
 AnyRedis = Redis | RedisCluster
+
+# What a Redis call can raise when Redis is unreachable, slow or failing. The cluster client's
+# RedisClusterException (e.g. no node reachable to build its slot map) is not a RedisError;
+# TimeoutError is an OSError.
+UNAVAILABLE: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
 
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 

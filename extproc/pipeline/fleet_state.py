@@ -37,8 +37,6 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from extproc.core.affinity import AffinityParams, Decision, Override, SessionView
 from extproc.core.facts import RequestFacts
 from extproc.core.hotkeys import HotKeys
@@ -46,7 +44,7 @@ from extproc.core.keys import KeySource, SessionKey
 from extproc.core.load import ClusterLoad, FleetSnapshot, LoadReport
 from extproc.core.response_links import Link, link_name, make_link, read_link
 from extproc.metrics import Metrics
-from extproc.redis_client import AnyRedis, any_client
+from extproc.redis_client import UNAVAILABLE, AnyRedis, any_client
 from extproc.redis_health import PROBE_INTERVAL_S, RedisHealth
 
 log = logging.getLogger("extproc.affinity")
@@ -369,7 +367,7 @@ class FleetState:
                     if record
                     else await self.shared.peek(facts.session.store_key, now)
                 )
-            except (RedisError, OSError) as exc:  # TimeoutError is an OSError
+            except UNAVAILABLE as exc:
                 self._shared_failed("lookup", exc, now)
             else:
                 self.health.succeeded()
@@ -395,7 +393,7 @@ class FleetState:
         if self.shared is not None and self._shared_usable(now):
             try:
                 await self.shared.write(facts.session.store_key, override, now)
-            except (RedisError, OSError) as exc:
+            except UNAVAILABLE as exc:
                 self._shared_failed("write", exc, now)
             else:
                 self.health.succeeded()
@@ -409,7 +407,7 @@ class FleetState:
             return found
         try:
             value = await self.shared.link(name)
-        except (RedisError, OSError) as exc:
+        except UNAVAILABLE as exc:
             self._shared_failed("link_get", exc, now)
             return None
         self.health.succeeded()
@@ -424,7 +422,7 @@ class FleetState:
         if self.shared is not None and self._shared_usable(now):
             try:
                 await self.shared.write_link(link, ttl_s)
-            except (RedisError, OSError) as exc:
+            except UNAVAILABLE as exc:
                 self._shared_failed("link_set", exc, now)
             else:
                 self.health.succeeded()

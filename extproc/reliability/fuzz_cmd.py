@@ -54,7 +54,7 @@ def draw_pool(size: int, seed: int) -> list[Case]:
 
     pool: list[Case] = []
     round_ = 0
-    with _without_local_constants():
+    with without_local_constants():
         while len(pool) < size:
             before = len(pool)
 
@@ -78,8 +78,37 @@ def draw_pool(size: int, seed: int) -> list[Case]:
     return pool
 
 
+def seeded_property(
+    seed: int, max_examples: int
+) -> Callable[[Callable[[Case], None]], Callable[[], None]]:
+    """A Hypothesis property over :func:`cases` that draws the same examples on every run and
+    in every clone, as the pool does: a fixed seed, no example database, and no literals mined
+    from the process's modules while it runs. Unlike the pool it keeps Hypothesis's shrinking,
+    so a failure is reported as a minimal case (and the same one each time)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as fixed_seed
+
+    def wrap(prop: Callable[[Case], None]) -> Callable[[], None]:
+        test = fixed_seed(seed)(
+            settings(
+                max_examples=max_examples,
+                database=None,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+            )(given(cases())(prop))
+        )
+
+        def run() -> None:
+            with without_local_constants():
+                test()
+
+        return run
+
+    return wrap
+
+
 @contextlib.contextmanager
-def _without_local_constants() -> Iterator[None]:
+def without_local_constants() -> Iterator[None]:
     """Hypothesis (6.131 on) also draws, now and then, literals it mines from the source of
     every non-test module the process has imported. The pool then depended on which modules
     happened to be imported (a whole pytest session imports far more than one test file) and

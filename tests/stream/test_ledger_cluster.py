@@ -12,13 +12,16 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.core.admission import Admitted, Demand, Reject, Ticket
-from extproc.core.affinity import Override
+from extproc.core.affinity import Decision, Override
 from extproc.core.fleet import Budget
+from extproc.core.placement import Placement
 from extproc.harness.launch import free_port
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.redis import RedisLedger, compartment_keys
 from extproc.ledger.waiters import listen_for_releases
-from extproc.pipeline.fleet_state import RedisSessions
+from extproc.metrics import Metrics
+from extproc.pipeline.fleet_state import PROBE_INTERVAL_S, FleetState, RedisSessions
+from tests.stream.test_fleet_state import PARAMS, SECRET, facts
 from tests.stream.test_ledger_redis import gate_for, request, runtime, sample
 from tests.support.redis_server import RedisClusterServers, command
 
@@ -207,3 +210,29 @@ async def test_an_unreachable_cluster_is_an_outage_not_a_crash() -> None:
     with pytest.raises(LedgerUnavailable):
         await ledger.ping()
     await ledger.close()
+
+
+async def test_an_unreachable_cluster_leaves_the_session_store_on_memory() -> None:
+    """The affinity store has the ledger's gap closed too: the cluster client's
+    RedisClusterException (no node reachable for its slot map) is not a RedisError, and it
+    escaped every shared-store call, failing the request's stream instead of falling back to
+    the replica's memory (as any other outage does)."""
+    sessions = RedisSessions.from_url(f"redis+cluster://127.0.0.1:{free_port()}", timeout_s=0.5)
+    state = FleetState(Metrics(CollectorRegistry()), shared=sessions)
+    registry = state.metrics.registry
+    f = facts("cluster-down")
+    step = PROBE_INTERVAL_S + 1.0  # each call is due to try Redis again
+    try:
+        assert (await state.view(f, "c1", step, PARAMS)).seen is False
+        override = Override("c2", 10 * step)
+        decision = Decision(Placement("c2", "c1"), "spilled", override)
+        await state.remember(f, decision, 2 * step)
+        seen = await state.view(f, "c1", 3 * step, PARAMS)
+        assert seen.seen is True and seen.override == override  # the memory answered
+        assert await state.follow("resp-1", SECRET, 4 * step) is None
+        await state.learn("resp-1", f.session, SECRET, 5 * step, 60.0)
+        assert await state.follow("resp-1", SECRET, 6 * step) == f.session
+    finally:
+        await state.close()
+    for op in ("lookup", "write", "link_get", "link_set"):
+        assert sample(registry, "fleet_affinity_store_errors_total", op=op) >= 1, op
