@@ -179,6 +179,11 @@ class Pipeline:
         # The session memory trims to a lower bound on its next writes.
         self.fleet.memory.max_sessions = runtime.max_sessions
 
+    def use_endpoint_health(self, endpoint_health: EndpointHealth | None) -> None:
+        """The endpoint prober a reload started (or stopped): probing follows the config
+        without a restart."""
+        self._endpoint_health = endpoint_health
+
     # -- the decision -----------------------------------------------------------------------
     async def preview(self, headers: Mapping[str, str], body: bytes | None, now: float) -> Outcome:
         """The decision :meth:`decide` would take now, on the same state, changing nothing:

@@ -140,9 +140,7 @@ class Service:
         )
         self.health = health.aio.HealthServicer()
         self.endpoint_health: EndpointHealth | None = None
-        # Endpoint picking and probe_clusters need every endpoint's readiness; so does P/D,
-        # whose prefill choice skips dead prefillers (the sidecar would fall back to decode-only).
-        if runtime.endpoint_picker or runtime.probes_clusters or runtime.pd is not None:
+        if _probes_endpoints(runtime):
             self.endpoint_health = EndpointHealth(runtime.endpoints, _health_paths(runtime))
         self.pipeline = Pipeline(
             self.holder,
@@ -300,10 +298,12 @@ class Service:
                 self.xds.publish(union_version, union_clusters(self.holder.current, fresh))
             await asyncio.sleep(self.opts.cds_settle_s)
         self._base = fresh
+        await self._start_probing_if_needed(fresh)
         self.pipeline.use(self._local_view(fresh))
         self.gate.publish_limits(self.holder.current)
         if self.endpoint_health is not None:
             self.endpoint_health.update(fresh.endpoints, _health_paths(fresh))
+        await self._stop_probing_if_unneeded(fresh)
         self._set_version(old, fresh.version)
         self.metrics.config_reloads.labels("applied").inc()
         if cds or self.xds is not None:
@@ -322,6 +322,30 @@ class Service:
             },
         )
         return True
+
+    async def _start_probing_if_needed(self, fresh: Runtime) -> None:
+        """A reload that first needs endpoint readiness (e.g. its first budget, which turns
+        processor.probe_clusters on by default) starts the prober, as a restart would. Its
+        first round runs before the new runtime serves: a prober with no round yet would
+        report every endpoint not ready."""
+        if self.endpoint_health is not None or not _probes_endpoints(fresh):
+            return
+        prober = EndpointHealth(fresh.endpoints, _health_paths(fresh))
+        await prober.start()
+        self.endpoint_health = prober
+        self.pipeline.use_endpoint_health(prober)
+        log.info("endpoint probing started by a reload")
+
+    async def _stop_probing_if_unneeded(self, fresh: Runtime) -> None:
+        """The other way round: a reload that turns probing off stops steering around
+        unready endpoints, as a restart would."""
+        prober = self.endpoint_health
+        if prober is None or _probes_endpoints(fresh):
+            return
+        self.pipeline.use_endpoint_health(None)
+        self.endpoint_health = None
+        await prober.close()
+        log.info("endpoint probing stopped by a reload")
 
     def _reject(self, problems: list[str]) -> None:
         self.metrics.config_reloads.labels("rejected").inc()
@@ -474,6 +498,12 @@ class _ClosingXds:
         if self._eds is not None:
             self._eds.close()
         await self._server.stop(grace)
+
+
+def _probes_endpoints(runtime: Runtime) -> bool:
+    """Endpoint picking and probe_clusters need every endpoint's readiness; so does P/D, whose
+    prefill choice skips dead prefillers (the sidecar would fall back to decode-only)."""
+    return runtime.endpoint_picker or runtime.probes_clusters or runtime.pd is not None
 
 
 def _health_paths(runtime: Runtime) -> dict[str, str]:

@@ -4,11 +4,17 @@ probe (timeout, error status) only at the second failure in a row."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
+import orjson
+import yaml
 from aiohttp import web
 
+from extproc.config import load_runtime
 from extproc.harness.launch import free_port
 from extproc.pipeline.endpoint_health import EndpointHealth
+from extproc.serve.service import ServeOptions, Service
 
 
 async def _health_server(slow: dict[str, bool]) -> tuple[web.AppRunner, str]:
@@ -69,4 +75,55 @@ async def test_a_flapping_probe_never_takes_a_live_endpoint_out() -> None:
         assert seen == [True] * 8
     finally:
         await prober.close()
+        await runner.cleanup()
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+async def test_a_reload_that_adds_the_first_budget_starts_probing(tmp_path: Path) -> None:
+    """processor.probe_clusters is on by default once a class has a budget; a reload that adds
+    the first budget starts the prober (it used to wait for a restart), and a reload that turns
+    probing off stops it. Seen through the decision: a session hashed to a cluster whose only
+    endpoint is dead is placed on the live one only while probing is on."""
+    runner, live = await _health_server({"on": False})
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens
+    doc: dict[str, Any] = {
+        "version": 1,
+        "clusters": [{"name": "c1", "endpoints": [dead]}, {"name": "c2", "endpoints": [live]}],
+        "classes": [{"name": "short"}],
+    }
+    path = tmp_path / "fleet.yaml"
+    _write(path, doc)
+    service = Service(ServeOptions(str(path)), load_runtime(path), path.read_bytes())
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+    async def primary(session: str) -> object:
+        headers = {"x-session-id": session, "content-type": "application/json"}
+        return (await service.explain("/v1/chat/completions", headers, body))["primary"]
+
+    try:
+        assert service.endpoint_health is None  # no budget: no probing
+        hashed = [s for s in (f"s{i}" for i in range(64)) if await primary(s) == "c1"]
+        assert hashed, "no session hashed to c1"
+        session = hashed[0]
+
+        doc["classes"] = [{"name": "short", "budget": {"max_concurrent": 4}}]
+        _write(path, doc)
+        assert await service.reload()
+        assert service.endpoint_health is not None
+        assert service.endpoint_health.ready == frozenset({live})  # probed before serving
+        assert await primary(session) == "c2"
+
+        doc["processor"] = {"probe_clusters": False}
+        _write(path, doc)
+        assert await service.reload()
+        assert service.endpoint_health is None
+        assert await primary(session) == "c1"
+    finally:
+        if service.endpoint_health is not None:
+            await service.endpoint_health.close()
+        await service.gate.close()
+        await service.pipeline.aclose()
         await runner.cleanup()
