@@ -61,6 +61,16 @@ class Metrics:
             "Requests on non-inference paths, left to Envoy's fallback route.",
             registry=registry,
         )
+        self.response_phases_skipped = Counter(
+            "fleet_response_phases_skipped",
+            "Routed inference requests that ran without the response phases the processor"
+            " would read, by reason. chunked_upload: an HTTP/1.1 upload without content-length"
+            " gets response trailers only, so Envoy's answer to a malformed chunk or trailer is"
+            " not lost (RELIABILITY.md, defect 6); for these requests the budget charge does"
+            " not follow a failover, and load reports and usage are not read.",
+            ["reason"],
+            registry=registry,
+        )
         self.header_decisions = Counter(
             "fleet_header_decisions",
             "Inference requests decided at their headers, their body never sent to the"

@@ -213,6 +213,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # A body without a content-length: an HTTP/1.1 chunked upload (Envoy removes the
         # transfer-encoding header before its filters), or an HTTP/2 stream without one.
         if "content-length" not in state.headers:
+            state.phases_skipped = self._await_chunked is responses.OBSERVE_CHUNKED_UPLOAD
             return self._await_chunked
         return self._await_body
 
@@ -293,6 +294,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         ``skip_body``: a routing answer to the headers message (the header path)."""
         if isinstance(outcome, Routed):
             state.hold = outcome.hold
+            if state.phases_skipped:
+                self._metrics.response_phases_skipped.labels("chunked_upload").inc()
             prefiller = outcome.prefill.address if outcome.prefill is not None else None
             mirror = None
             if state.body is not None:

@@ -34,3 +34,6 @@ class StreamState:
     # SGLang's P/D protocol only: the request body, kept until the routing answer rewrites it
     # (Pipeline.bootstrap_body), then dropped.
     body: bytes | None = None
+    # An HTTP/1.1 chunked upload told to skip the response phases the processor would read
+    # (responses.OBSERVE_CHUNKED_UPLOAD): counted once routed.
+    phases_skipped: bool = False

@@ -302,6 +302,13 @@ async def test_chunked_upload_takes_the_body_path(
     )
     assert header_answer(declared, proc.runtime) == by_body  # the same session label too
     assert proc.sample("fleet_header_decisions_total") == 1
+    # The chunked upload ran without the response phases the canonical config reads (defect
+    # 6: response trailers only), and is counted; the declared one read them.
+    assert proc.runtime.response_phases
+    assert first.mode_override.response_header_mode == PM.SKIP
+    assert first.mode_override.response_trailer_mode == PM.SEND
+    skipped = "fleet_response_phases_skipped_total"
+    assert proc.sample(skipped, {"reason": "chunked_upload"}) == 1
 
 
 async def test_bad_json_goes_upstream_unless_read_body_always(
