@@ -11,10 +11,11 @@ through four set-ups:
    (the best a client that names its sessions can get without body inspection);
 3. ``opening`` — Envoy + extproc with the old prefix key (``prefix.key: opening``);
 4. ``chain`` — Envoy + extproc with the chain key (the default);
-5. ``chain_bounded`` — the chain key with load-aware affinity on and bounded-load placement of
-   new sessions (``affinity.balance_factor``, ``--balance``): a new conversation starts on the
-   first cluster in its hash order that stays within that factor of the mean recent requests;
-   its later turns follow (remembered).
+5. ``chain_bounded`` — the chain key with load-aware affinity on (``affinity.enabled``), whose
+   default is bounded-load placement of new sessions (``affinity.balance_factor`` 1.1 on one
+   replica; ``--balance`` sets another factor): a new conversation starts on the first cluster
+   in its hash order that stays within that factor of the mean recent requests; its later turns
+   follow (remembered).
 
 Rows per layout: prefix-cache hit ratio ÷ the ideal (one infinite cache serving everything in
 order, from the same block hashes the simulated clusters use), max/mean requests per cluster,
@@ -125,7 +126,7 @@ def run_setup(
     speedup: float,
     workdir: Path,
     nested_share: float = 0.4,
-    balance: float = 1.1,
+    balance: float | None = None,
     message_timeout_ms: int | None = None,
 ) -> tuple[ReplayResult, int, int]:
     """The replay's result, and Envoy's ext_proc fail-open and message-timeout counts."""
@@ -137,7 +138,9 @@ def run_setup(
         if message_timeout_ms is not None:
             overrides["processor"] = {"message_timeout_ms": message_timeout_ms}
     if setup == "chain_bounded":
-        overrides["affinity"] = {"enabled": True, "balance_factor": balance}
+        overrides["affinity"] = {"enabled": True}
+        if balance is not None:
+            overrides["affinity"]["balance_factor"] = balance
     if setup == "ring_hash":
         requests = [dataclasses.replace(r, send_session_header=True) for r in requests]
     stack = FleetStack(
@@ -170,7 +173,7 @@ def run_layout(
     workdir: Path,
     nested_share: float = 0.4,
     setups: Sequence[str] = SETUPS,
-    balance: float = 1.1,
+    balance: float | None = None,
     message_timeout_ms: int | None = None,
 ) -> tuple[float, list[Row]]:
     requests = generate_layout(dataclasses.replace(config, layout=layout))
@@ -317,8 +320,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--balance",
         type=float,
-        default=1.1,
-        help="chain_bounded: affinity.balance_factor (bounded-load placement of new sessions)",
+        default=None,
+        help="chain_bounded: affinity.balance_factor (bounded-load placement of new sessions; "
+        "default: the product's, 1.1 on one replica)",
     )
     parser.add_argument(
         "--message-timeout-ms",

@@ -325,7 +325,7 @@ def _affinity_problems(cfg: FleetConfig) -> list[str]:
         problems.append(
             f"affinity.override_ttl_s: must be >= new_session_ttl_s ({aff.new_session_ttl_s:g})"
         )
-    if 0 < aff.balance_factor <= 1:
+    if aff.balance_factor is not None and 0 < aff.balance_factor <= 1:
         # No cluster can stay at or below the mean while another is above it: every new
         # session would fall back to its hash primary, so the setting would do nothing.
         problems.append("affinity.balance_factor: must be 0 (off) or > 1")

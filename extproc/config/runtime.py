@@ -222,7 +222,7 @@ def compile_runtime(
         ),
         parse_limits=ParseLimits(cfg.processor.max_body_bytes, cfg.prefix.bytes_per_token),
         endpoints=MappingProxyType({c.name: c.endpoints for c in clusters}),
-        affinity=affinity_params(cfg.affinity),
+        affinity=affinity_params(cfg.affinity, balance_factor(cfg, overrides.redis_url)),
         label_secret_source=label_secret.source,
         redis=RedisSettings(
             url=overrides.redis_url or cfg.redis.url,
@@ -382,14 +382,32 @@ def with_sketch(runtime: Runtime, sketch: ChainSketch) -> Runtime:
     return dataclasses.replace(runtime, key_rules=rules)
 
 
-def affinity_params(cfg: AffinityConfig) -> AffinityParams:
+# Measured through Envoy in every layout of `extproc bench layouts` (BENCHMARKS.md, "Bounded-load
+# placement of new sessions"): max/mean 1.07-1.12 over 8 clusters where the hash alone gives
+# 1.21-1.32, hit ratio unchanged, every later turn on its first cluster.
+DEFAULT_BALANCE_FACTOR = 1.1
+
+
+def balance_factor(cfg: FleetConfig, redis_url: str | None = None) -> float:
+    """``affinity.balance_factor``, or its default when unset: on wherever a spilled session's
+    later turns find the spill, which every replica must be able to read. One replica
+    (``redis.replicas``: 1) remembers it itself; several share it only through Redis. With
+    several replicas on memory alone a spill would cost its session the cache on every turn
+    another replica decides, so bounded placement stays off there unless asked for."""
+    if cfg.affinity.balance_factor is not None:
+        return cfg.affinity.balance_factor
+    shared = (redis_url or cfg.redis.url) is not None
+    return DEFAULT_BALANCE_FACTOR if shared or cfg.redis.replicas == 1 else 0.0
+
+
+def affinity_params(cfg: AffinityConfig, balance: float) -> AffinityParams:
     """The policy's parameters, by name from the validated config: one list of fields (the
     core's dataclass), so a parameter added there cannot be forgotten here. The config's other
-    affinity fields (served_by_header, max_sessions) belong to the shell and are compiled apart.
+    affinity fields (served_by_header, max_sessions) belong to the shell and are compiled apart;
+    ``balance`` is the compiled ``balance_factor`` (:func:`balance_factor`).
     """
-    return AffinityParams(
-        **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(AffinityParams)}
-    )
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(AffinityParams)}
+    return AffinityParams(**{**fields, "balance_factor": balance})
 
 
 def pd_plan(cfg: FleetConfig, classes: tuple[RequestClass, ...]) -> PdPlan | None:

@@ -331,10 +331,14 @@ class AffinityConfig(Strict):
     hot_key_spread: int = Field(default=3, ge=2)
     hot_key_min_requests: float = Field(default=20.0, ge=1)
     hot_key_half_life_s: float = Field(default=10.0, gt=0)
-    # Bounded-load placement of new sessions (0: off): a new session starts on the first
-    # candidate in hash order whose recent requests (decayed, half-life balance_half_life_s)
-    # stay within balance_factor x the mean; its later turns follow (remembered like a spill).
-    balance_factor: float = Field(default=0.0, ge=0)
+    # Bounded-load placement of new sessions: a new session starts on the first candidate in
+    # hash order whose recent requests (decayed, half-life balance_half_life_s) stay within
+    # balance_factor x the mean; its later turns follow (remembered like a spill). 0: off.
+    # Unset: DEFAULT_BALANCE_FACTOR (1.1) wherever a later turn finds the spill (one replica,
+    # redis.replicas 1, or the replicas share overrides through redis.url), else off: with
+    # several replicas and memory only, a later turn on another replica would go back to the
+    # hash primary, away from its cache (extproc.config.runtime.balance_factor).
+    balance_factor: float | None = Field(default=None, ge=0)
     balance_half_life_s: float = Field(default=60.0, gt=0)
     # Response header naming the cluster that served (the simulated cluster sends it). With
     # it, a load report is credited to the right cluster and a failover is seen; without it

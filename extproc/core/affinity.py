@@ -43,7 +43,8 @@ The rules, first match wins:
 3. **Existing session** (seen within ``new_session_ttl_s``): stays on its hash primary while the
    primary is merely busy (saturated or pressured; the class budget answers with 429 and retry
    hints), and migrates only when the primary is unhealthy or critical: to the first candidate
-   in hash order with room (else the first healthy one that is not pressured). That costs one
+   in hash order that is usable and not saturated, whatever its share (else the first healthy
+   one that is not pressured). That costs one
    re-prefill, which the shell counts; the target is remembered so later turns follow.
 4. **New session**: the hash primary when it has room; otherwise the first candidate in hash
    order with room ("spilled", remembered). Why bounded loads only here: hashing conversations
@@ -172,8 +173,13 @@ class _Judge:
     def usable(self, name: str) -> bool:
         return self.healthy(name) and not self.pressured(name)
 
+    def can_take(self, name: str) -> bool:
+        """Room for a session that is moving (a migration): its cache is lost or already
+        moved, so evenness (the share bound) is not a reason to skip a cluster."""
+        return self.usable(name) and not self.saturated(name)
+
     def has_room(self, name: str) -> bool:
-        return self.usable(name) and not self.saturated(name) and not self.over_share(name)
+        return self.can_take(name) and not self.over_share(name)
 
     def must_leave(self, name: str) -> MigrationReason | None:
         if not self.healthy(name):
@@ -240,7 +246,10 @@ def _migrate(
     judge: _Judge,
     now: float,
 ) -> Decision | None:
-    target = _first(ranked, judge.has_room, current) or _first(ranked, judge.usable, current)
+    # Not has_room: the share bound places new sessions only. A session leaving a cluster
+    # Envoy failed over from already has its cache on the secondary (the first usable
+    # candidate after it); the bound would move it a second time, to a third cache.
+    target = _first(ranked, judge.can_take, current) or _first(ranked, judge.usable, current)
     if target is None:
         return None  # nowhere better: stay, and let Envoy's failover and the budget cope
     return Decision(

@@ -1,12 +1,14 @@
 """`extproc explain` shows exactly what the live processor decides, through a real Envoy.
 
-Load-aware affinity on, in route mode and in endpoint-picker mode. Before each request the
+Load-aware affinity on with its defaults (bounded-load placement of new sessions included), in
+route mode and in endpoint-picker mode. Before each request the
 running processor is asked, through `extproc explain --admin` (its admin endpoint: the live
 state, changed by nothing), what it would decide; then the request goes through Envoy and the
 decision Envoy acted on is read from its access log (the aggregate cluster named by
 x-fleet-route, or the endpoint the picker chose, and x-fleet-primary). Every pair must match,
 including after a cluster fails and affinity moves sessions off it (migrations and spills that
-pure hashing would not make), and for a hot prefix key spread over its top candidates.
+pure hashing would not make), for new sessions that start off a cluster holding more than its
+share of recent requests, and for a hot prefix key spread over its top candidates.
 """
 
 from __future__ import annotations
@@ -214,6 +216,9 @@ def test_explain_matches_the_live_processor_in_route_mode(
     agree = _scenario(route_mode, make_client(route_mode.listener_port), False, tmp_path, "c2")
     # Affinity made decisions pure hashing would not, and explain predicted each of them.
     assert agree.kinds["migrated"] >= 1, agree.kinds
+    # The third victim is the third new session in a row hashing to c2: 3 of 3 recent requests
+    # would put c2 over 1.1 x the mean, so it starts on its next candidate (the default bound).
+    assert agree.kinds["spilled"] >= 1, agree.kinds
     assert agree.kinds["override"] >= 1, agree.kinds
     assert agree.kinds["hot_spread"] >= 1, agree.kinds
     assert len(agree.explained) >= 30

@@ -20,7 +20,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from prometheus_client import CollectorRegistry
 
 from extproc.config import compile_runtime, parse_config
-from extproc.config.runtime import Runtime
+from extproc.config.runtime import DEFAULT_BALANCE_FACTOR, Runtime
 from extproc.core.affinity import AffinityParams, Decision, Override
 from extproc.core.api import Api
 from extproc.core.facts import RequestFacts
@@ -386,10 +386,16 @@ CRITICAL = "TEXT named_metrics.kv_cache=0.99, named_metrics.queue=40"
 CALM = "TEXT named_metrics.kv_cache=0.2, named_metrics.queue=0"
 
 
+# The pressure and failover tests below pile sessions onto one cluster on purpose. Bounded-load
+# placement of new sessions (on by default) would answer that pile itself and hide the rule
+# under test, so they run with it off; it has its own test below, with the default config.
+PURE_HASH = {"balance_factor": 0}
+
+
 async def test_a_pressure_report_steers_new_sessions_away_and_keeps_existing_ones(
     start: Callable[..., Any],
 ) -> None:
-    proc: Proc = await start(fleet_doc())
+    proc: Proc = await start(fleet_doc(**PURE_HASH))
     existing = [proc.session_on("c2", f"old{i}") for i in range(5)]
     for sid in existing:
         assert await full_request(proc, sid, CALM) == "c2"
@@ -413,7 +419,7 @@ async def test_a_pressure_report_steers_new_sessions_away_and_keeps_existing_one
 async def test_memory_critical_and_failed_over_clusters_lose_their_existing_sessions(
     start: Callable[..., Any],
 ) -> None:
-    proc: Proc = await start(fleet_doc())
+    proc: Proc = await start(fleet_doc(**PURE_HASH))
     # Both will move to c2: c1's session because c1 fills up, c3's because c3 fails.
     on_c1 = proc.session_on("c1", "a", then="c2")
     on_c3 = proc.session_on("c3", "b", then="c2")
@@ -435,6 +441,30 @@ async def test_memory_critical_and_failed_over_clusters_lose_their_existing_sess
         assert await full_request(proc, on_c3, CALM) == "c2"
     assert proc.sample("fleet_migrations_total", reason="memory_pressure") == 1
     assert proc.sample("fleet_migrations_total", reason="unhealthy") == 1
+
+
+async def test_by_default_a_new_session_skips_a_cluster_over_its_share_and_its_turns_follow(
+    start: Callable[..., Any],
+) -> None:
+    proc: Proc = await start(fleet_doc())  # balance_factor unset: the default, 1.1
+    assert proc.runtime.affinity.balance_factor == DEFAULT_BALANCE_FACTOR
+    piled = [proc.session_on("c2", f"pile{i}") for i in range(3)]
+    # An idle fleet is pure hashing: nothing is over its share while every count is this small
+    # (2 on c2 of 2 recent: 3 > 1.1 x 3 / 3 only from the third on).
+    assert await full_request(proc, piled[0], CALM) == "c2"
+    assert await full_request(proc, piled[1], CALM) == "c2"
+    # The third new session hashing to c2 would take it to 3 of 3 recent requests, over
+    # 1.1 x the mean: it starts on its next candidate, which holds none.
+    third = await full_request(proc, piled[2], CALM)
+    assert third == proc.hash_order(piled[2])[1]
+    assert proc.sample("fleet_route_decisions_total", kind="spilled") == 1
+    # Its later turns follow the spill (the override), and the first two stay on c2, although
+    # c2 is over its share: an existing session never moves for balance.
+    for _ in range(3):
+        assert await full_request(proc, piled[2], CALM) == third
+        assert await full_request(proc, piled[0], CALM) == "c2"
+    assert proc.sample("fleet_route_decisions_total", kind="override") == 3
+    assert proc.sample("fleet_migrations_total", reason="memory_pressure") == 0
 
 
 async def test_inflight_is_counted_for_the_life_of_the_stream(start: Callable[..., Any]) -> None:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from extproc.config import ConfigError, compile_runtime, parse_config
-from extproc.config.runtime import Runtime
+from extproc.config.runtime import DEFAULT_BALANCE_FACTOR, Overrides, Runtime
 from extproc.core.affinity import (
     AffinityParams,
     Decision,
@@ -400,6 +400,21 @@ def test_the_bound_never_moves_an_existing_or_overridden_session() -> None:
     assert decide(loads, params=PARAMS).placement.primary == "c1"
 
 
+def test_a_migrating_session_goes_where_envoy_failed_over_whatever_its_share() -> None:
+    # c1 failed (Envoy failed over to the secondary, c2, where the session's cache now is).
+    # c2 is far over its share: a new session would skip it, a migrating one must not.
+    loads = snap(
+        c1=ClusterLoad(healthy=False, recent=1.0),
+        c2=ClusterLoad(recent=30.0),
+        c3=ClusterLoad(recent=1.0),
+        c4=ClusterLoad(recent=1.0),
+    )
+    assert decide(loads, params=BALANCED).placement.primary == "c3"  # new: over its share
+    moved = decide(loads, EXISTING, params=BALANCED)
+    assert (moved.kind, moved.placement.primary, moved.migrated_from) == ("migrated", "c2", "c1")
+    assert moved.placement.primary == decide(loads, EXISTING, params=PARAMS).placement.primary
+
+
 def test_on_an_idle_fleet_the_bound_leaves_the_hash_alone() -> None:
     # No cluster can take the first request within 1.2 x 1 / 4: the hash primary, not a spill.
     assert decide(recent(), params=BALANCED).kind == "primary"
@@ -451,10 +466,42 @@ def config_problems(**affinity: object) -> list[str]:
 
 def test_affinity_is_off_by_default_and_pure_hashing_asks_envoy_for_nothing_more() -> None:
     runtime = compile_runtime(parse_config({"version": 1, "clusters": fleet()["clusters"]}))
-    assert runtime.affinity == AffinityParams()
+    # Every policy parameter at the core's default, except bounded-load placement of new
+    # sessions: on by default (1.1) for a single replica, inert while affinity is off.
+    assert runtime.affinity == AffinityParams(balance_factor=DEFAULT_BALANCE_FACTOR)
     assert runtime.affinity.enabled is False
     mode = _processing_mode(runtime)
     assert mode["response_header_mode"] == "SKIP"
+
+
+@pytest.mark.parametrize(
+    ("redis", "cli_url", "affinity", "expected"),
+    [
+        pytest.param({}, None, {}, DEFAULT_BALANCE_FACTOR, id="one-replica-memory"),
+        # Several replicas with memory alone: a spill is known only to the replica that made it,
+        # so the session's later turns on the others would go back to its hash primary.
+        pytest.param({"replicas": 3}, None, {}, 0.0, id="replicas-without-redis-off"),
+        pytest.param(
+            {"replicas": 3, "url": "redis://127.0.0.1:1"},
+            None,
+            {},
+            DEFAULT_BALANCE_FACTOR,
+            id="replicas-sharing-redis",
+        ),
+        pytest.param(
+            {"replicas": 3}, "redis://127.0.0.1:1", {}, DEFAULT_BALANCE_FACTOR, id="redis-from-cli"
+        ),
+        pytest.param({}, None, {"balance_factor": 0}, 0.0, id="turned-off"),
+        pytest.param({"replicas": 3}, None, {"balance_factor": 1.3}, 1.3, id="asked-for"),
+    ],
+)
+def test_bounded_placement_of_new_sessions_is_on_by_default_where_later_turns_find_the_spill(
+    redis: dict[str, object], cli_url: str | None, affinity: dict[str, object], expected: float
+) -> None:
+    doc = {**fleet(enabled=True, **affinity), "redis": redis}
+    runtime = compile_runtime(parse_config(doc), overrides=Overrides(redis_url=cli_url))
+    assert runtime.affinity.enabled
+    assert runtime.affinity.balance_factor == expected
 
 
 def test_enabled_affinity_compiles_and_asks_for_the_response_headers(tmp_path: Path) -> None:
