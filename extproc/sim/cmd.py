@@ -122,6 +122,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="size prefill so the ideal-cache prefill work is this share of capacity",
     )
     fleet.add_argument(
+        "--sizing",
+        choices=["ideal", "spread"],
+        default=None,
+        help="size prefill and KV from one ideal cache (default for --trace / --workload), "
+        "or from a fleet spreading conversations evenly, each shared block held and "
+        "prefilled once per cluster it spreads to (default for --layout)",
+    )
+    fleet.add_argument(
         "--kv-share",
         type=float,
         default=0.5,
@@ -301,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
             int(args.memory_limit_gb * 2**30) if args.memory_limit_gb is not None else None
         ),
         jobs=args.jobs,
+        sizing=args.sizing,
     )
     try:
         prepared = build(options, load_base(options))

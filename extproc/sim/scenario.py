@@ -69,6 +69,12 @@ class SimOptions:
     # machine's physical memory); jobs = worker processes that each run policies.
     memory_limit_bytes: int | None = None
     jobs: int = 1
+    # What the fleet is sized from (its prefill capacity and its KV): "ideal", the work and
+    # distinct blocks of one cache serving everything; "spread", those of a fleet that spreads
+    # conversations evenly, where a block shared by s conversations is held, and prefilled
+    # once, on min(s, clusters) clusters (BaseTraffic.spread_keys). None: "spread" for a layout
+    # (one opening shared by hundreds of conversations), "ideal" otherwise.
+    sizing: str | None = None
 
 
 # Peak memory per simulated request with one policy, measured with `extproc simulate` on
@@ -177,7 +183,22 @@ def load_base(options: SimOptions) -> BaseTraffic:
             raise ValueError(f"{options.trace}: no usable requests")
         return base_from_trace(trace)
     config = WorkloadConfig(seed=options.seed, duration_s=options.synthetic_duration_s)
-    return base_from_requests(generate_workload(config), f"synthetic(seed={options.seed})")
+    return base_from_requests(
+        generate_workload(config),
+        f"synthetic(seed={options.seed})",
+        clusters=options.shape.clusters,
+    )
+
+
+SIZINGS = ("ideal", "spread")
+
+
+def sizing_of(options: SimOptions) -> str:
+    if options.sizing is None:
+        return "spread" if options.layout is not None else "ideal"
+    if options.sizing not in SIZINGS:
+        raise ValueError(f"sizing must be one of {', '.join(SIZINGS)}, got {options.sizing!r}")
+    return options.sizing
 
 
 def build(options: SimOptions, base: BaseTraffic | None = None) -> Prepared:
@@ -199,8 +220,17 @@ def build(options: SimOptions, base: BaseTraffic | None = None) -> Prepared:
     # no prefix each offer exactly the base's work; otherwise this is the base's ideal, an
     # estimate that is good enough for sizing.
     uncached = sum(base.input_tokens) - sum(base.ideal_cached)
+    held_keys = base.n_keys
+    if sizing_of(options) == "spread" and base.spread_keys is not None:
+        # Each block also lives on (and is prefilled once by) the other clusters its
+        # conversations spread to. Sized from one cache instead, a layout whose 8k-token
+        # preamble is shared by every conversation of a tenant gets less KV per cluster than
+        # the tenants' preambles take, and any placement that spreads them thrashes
+        # (SIMULATION.md, "completions-32k: the sizing, not the key").
+        held_keys = base.spread_keys
+        uncached += (base.spread_keys - base.n_keys) * base.block_tokens
     prefill_per_s = copies * uncached / period
-    distinct_tokens = copies * base.n_keys * base.block_tokens
+    distinct_tokens = copies * held_keys * base.block_tokens
     clusters = build_fleet(shape, prefill_per_s, distinct_tokens)
     capacity = sum(c.prefill_tps for c in clusters[: shape.clusters])
     bursts = [parse_burst(b, period, shape.clusters, capacity) for b in options.bursts]

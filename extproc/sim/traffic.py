@@ -56,6 +56,12 @@ class BaseTraffic:
     sessions_disjoint: bool
     block_tokens: int
     source: str
+    # Sum over prefix keys of min(conversations whose prompts hold it, clusters): the blocks a
+    # fleet of that many clusters must hold, and prefill at least once each, when it spreads
+    # conversations evenly (a block shared by s conversations lives on min(s, N) clusters).
+    # Counted over the generator's own conversations, whatever the key groups; None: unknown
+    # (a trace), taken as n_keys.
+    spread_keys: int | None = None
 
     @property
     def period(self) -> float:
@@ -172,12 +178,17 @@ def base_from_requests(
     keys: list[tuple[int, ...]] = []
     sessions: list[int] = []
     inputs: list[int] = []
+    # prefix key -> the generator's conversations holding it (spread_keys)
+    holders: dict[int, set[str]] = {}
     ordered = sorted(requests, key=lambda r: r.arrival_s)
     keyed = processor_sessions(ordered, key, clusters) if key != "session" else None
     for n, request in enumerate(ordered):
         prompt = canonical_prompt(request.api, request.materialize())
         keys.append(tuple(dense.setdefault(h, len(dense) + 1) for h in block_hashes(prompt)))
         inputs.append(max(1, count_tokens(prompt)))
+        conversation = request.session_id or f"anon-{n}"
+        for k in keys[-1]:
+            holders.setdefault(k, set()).add(conversation)
         label = keyed[n] if keyed else (request.session_id or f"anon-{len(session_ix)}")
         sessions.append(session_ix.setdefault(label, len(session_ix)))
     return BaseTraffic(
@@ -192,6 +203,7 @@ def base_from_requests(
         sessions_disjoint=_disjoint(keys, sessions),
         block_tokens=BLOCK_TOKENS,
         source=source,
+        spread_keys=sum(min(len(h), clusters) for h in holders.values()),
     )
 
 
