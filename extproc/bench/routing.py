@@ -326,6 +326,10 @@ class SetupRun:
     result: ReplayResult
     envoy_requests: int  # downstream requests Envoy counted: every attempt the client made
     setup_s: float
+    # Requests Envoy sent on without the processor's answer (failure_mode_allow: routed by its
+    # default route, not by the decision) and its ext_proc message timeouts; 0 without extproc.
+    fail_open: int = 0
+    message_timeouts: int = 0
 
 
 def _run(main: Coroutine[Any, Any, ReplayResult]) -> ReplayResult:
@@ -348,6 +352,7 @@ def run_setup(
     classes: list[dict[str, Any]],
     workdir: Path,
     prefix_key: str = "chain",
+    message_timeout_ms: int | None = None,
 ) -> SetupRun:
     started = time.monotonic()
 
@@ -359,6 +364,8 @@ def run_setup(
         overrides: dict[str, Any] = {"classes": classes, "prefix": {"key": prefix_key}}
         if mode == "extproc_engine_rr":
             overrides["engines"] = {"affinity": "round_robin"}
+        if message_timeout_ms is not None:
+            overrides["processor"] = {"message_timeout_ms": message_timeout_ms}
         return FleetStack(
             workdir,
             clusters=profile.clusters,
@@ -379,9 +386,13 @@ def run_setup(
         ready = time.monotonic()
         result = _run(run_replay(workload.requests, stack.url, options))
         envoy_requests = stack.envoy_stat("http.ingress.downstream_rq_total")
+        fail_open = timeouts = 0
+        if envoy_mode(mode) == "extproc":
+            fail_open = stack.envoy_stat("http.ingress.ext_proc.failure_mode_allowed")
+            timeouts = stack.envoy_stat("http.ingress.ext_proc.message_timeouts")
     finally:
         stack.stop()
-    return SetupRun(mode, result, envoy_requests, ready - started)
+    return SetupRun(mode, result, envoy_requests, ready - started, fail_open, timeouts)
 
 
 # -- the comparison -----------------------------------------------------------------------------
@@ -456,6 +467,8 @@ def setup_report(run: SetupRun, workload: Workload) -> dict[str, Any]:
         "lost": lost,
         "attempts": attempts,
         "envoy_downstream_requests": run.envoy_requests,
+        "ext_proc_fail_open": run.fail_open,
+        "ext_proc_message_timeouts": run.message_timeouts,
         "hit_ratio": result.hit_ratio,
         "ideal_of_served": ideal_served,
         "hit_vs_ideal": _div(result.hit_ratio, ideal_served),
@@ -792,6 +805,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fleet.add_argument("--class-bounds", default="2048,100000", help="SHORT,LONG input tokens")
 
     parser.add_argument(
+        "--message-timeout-ms",
+        type=int,
+        default=None,
+        help="the processor's ext_proc message timeout (default: the stack's 5000 ms); a "
+        "loaded machine needs more, or Envoy fails open and routes without the processor",
+    )
+    parser.add_argument(
         "--prefix-key",
         choices=["chain", "opening"],
         default="chain",
@@ -900,8 +920,27 @@ def run(args: argparse.Namespace) -> int:
         workdir = out_dir / "logs" / f"{workload.name}-{mode}"
         for old in workdir.glob("*.log"):
             old.unlink()  # Proc appends to its log: start each run with a clean one
-        runs[mode] = run_setup(mode, workload, profile, options, classes, workdir, args.prefix_key)
+        runs[mode] = run_setup(
+            mode,
+            workload,
+            profile,
+            options,
+            classes,
+            workdir,
+            args.prefix_key,
+            args.message_timeout_ms,
+        )
         write_json(runs[mode].result, out_dir / f"{workload.name}-{mode}.json")
+        if envoy_mode(mode) == "extproc":
+            # Nonzero: part of the traffic was routed without the processor's decision (a
+            # starved processor on a loaded machine); the hit and stickiness rows then measure
+            # the machine, not the routing.
+            run = runs[mode]
+            print(
+                f"ext_proc fail-open {run.fail_open} (message timeouts {run.message_timeouts})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     reports = {mode: setup_report(r, workload) for mode, r in runs.items()}
     common = add_common(reports, runs, workload)
