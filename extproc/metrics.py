@@ -95,6 +95,14 @@ class Metrics:
             ["reason"],
             registry=registry,
         )
+        self.streams_cancelled = Counter(
+            "fleet_extproc_streams_cancelled",
+            "ext_proc streams that ended in Envoy's reset rather than a close. With a graceful"
+            " Envoy (processor.envoy_graceful_close) only streams not ended within its"
+            " remote-close timeout (a client gone while its request waits for budget); a count"
+            " near the request count means Envoy lacks the runtime flag. Without: every stream.",
+            registry=registry,
+        )
         self.streams_active = Gauge(
             "fleet_extproc_streams_active",
             "ext_proc streams currently open (one per HTTP exchange in flight).",

@@ -99,6 +99,9 @@ class Runtime:
     # Engine choice inside a cluster (fleet.yaml engines; extproc.core.endpoints).
     engines: EngineChoice = field(default_factory=EngineChoice)
     inspect_usage: bool = False
+    # processor.envoy_graceful_close: Envoy half-closes and waits for the status, so a stream
+    # ends at the half-close without waiting for a reset (protocol/server.py).
+    envoy_graceful_close: bool = True
     # How long a learnt response link lives; None: previous_response_id is not followed
     # (session.follow_previous_response off, or no response inspection to learn links from).
     response_link_ttl_s: float | None = None
@@ -247,6 +250,7 @@ def compile_runtime(
             key_secret=label_secret.value if label_secret.source != "process" else b"",
         ),
         inspect_usage=cfg.processor.inspect_usage,
+        envoy_graceful_close=cfg.processor.envoy_graceful_close,
         response_link_ttl_s=(
             cfg.session.response_link_ttl_s
             if cfg.session.follow_previous_response and cfg.processor.inspect_usage

@@ -57,15 +57,20 @@ def _header_map(headers: Any) -> dict[str, str]:
     return {h.key: h.raw_value.decode("utf-8", "replace") or h.value for h in headers.headers}
 
 
-# Envoy ends every ext_proc stream with a half-close followed at once by a reset
-# (ExternalProcessorStreamImpl::close: closeStream() then resetStream()). A handler that returns
-# at the half-close makes grpc.aio send a status on a call the reset has just cancelled; that
-# batch fails, and grpc.aio leaks its grpc_op array (grpc/grpc#43360, unfixed in grpcio 1.85.3).
-# Measured with a grpc.aio server and a client that half-closes then cancels, as Envoy does:
-# ~50 B of RSS per stream when returning, ~9 B when waiting for the reset (7 B for a client that
-# half-closes and reads the status); through Envoy it was the soak's steady RSS growth
-# (RELIABILITY.md, defect 3). Waiting this long after the half-close lets the reset end the call.
-# A peer that half-closes and waits for the status gets it this much later.
+# How an ext_proc stream ends (ARCHITECTURE.md, "End of a stream"). Envoy's filter closes the
+# side stream when the HTTP exchange ends (Filter::onDestroy -> closeStreamMaybeGraceful):
+# - with envoy.reloadable_features.ext_proc_graceful_grpc_close (off by default in Envoy
+#   1.34-1.40; the renderers turn it on with processor.envoy_graceful_close) it half-closes and
+#   waits for the server's status, resetting only after its remote-close timeout (1 s default).
+#   The handler returns at the half-close and the call ends with OK: no reset, no cancellation.
+# - without it, closeStream() is followed at once by resetStream(). A handler that returns at
+#   the half-close then makes grpc.aio send a status on a call the reset has just cancelled;
+#   that batch fails, and grpc.aio leaks its grpc_op array (grpc/grpc#43360, unfixed in grpcio
+#   1.85.3): ~50 B of RSS per stream with a grpc.aio client that half-closes then cancels, and
+#   the soak's steady RSS growth through Envoy (RELIABILITY.md, defect 3). Waiting this long
+#   after the half-close lets the reset end the call instead, at the price of grpc.aio's
+#   cancellation path (~300 us of CPU per request, BENCHMARKS.md). A peer that half-closes and
+#   waits for the status gets it this much later.
 ENVOY_RESET_LINGER_S = 0.05
 
 
@@ -78,8 +83,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         reset_linger_s: float = 0.0,
     ) -> None:
         self.pipeline = pipeline
-        # See ENVOY_RESET_LINGER_S: serve passes it; in-process callers that half-close and wait
-        # for the status (tests, the fuzz harness) keep 0.
+        # See ENVOY_RESET_LINGER_S: serve passes it, used only while the runtime says Envoy
+        # does not close gracefully; in-process callers that half-close and wait for the status
+        # (tests, the fuzz harness) keep 0.
         self._reset_linger_s = reset_linger_s
         # Unix time, for the RFC 3339 resets of Anthropic's rate-limit headers.
         self._wall_clock = wall_clock
@@ -137,12 +143,16 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         yield self._answer(state, outcome, responses.CONTINUE_BODY)
                     continue
                 yield answer
-            if self._reset_linger_s > 0:
-                # The peer half-closed. Envoy resets right behind its half-close: wait for that
-                # reset to cancel us instead of answering with a status (ENVOY_RESET_LINGER_S).
+            # The peer half-closed. A graceful Envoy waits for our status: return now (OK).
+            # Otherwise Envoy resets right behind its half-close: wait for that reset to cancel
+            # us instead of answering with a status (ENVOY_RESET_LINGER_S).
+            if self._reset_linger_s > 0 and not self.pipeline.runtime.envoy_graceful_close:
                 await asyncio.sleep(self._reset_linger_s)
         except asyncio.CancelledError:
-            # Envoy cancels the stream when the client or upstream aborts: an ordinary end.
+            # Envoy resets the stream when the client or upstream aborts, and at every end when
+            # it does not close gracefully: an ordinary end, counted (a graceful Envoy's count
+            # near the request count means its runtime flag is missing).
+            self._metrics.streams_cancelled.inc()
             raise
         except Exception:
             self._metrics.stream_errors.labels("handler_exception").inc()

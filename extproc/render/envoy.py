@@ -808,7 +808,54 @@ def _overload_manager(runtime: Runtime) -> Json:
     }
 
 
+# Envoy 1.34+ (off by default through 1.40): at the end of an exchange the ext_proc filter
+# half-closes the side stream and waits for the processor's status (up to its remote-close
+# timeout, 1 s by default, then resets) instead of closing and resetting at once. The processor
+# then ends every stream with OK at the half-close (processor.envoy_graceful_close,
+# protocol/server.py): no cancellation, hence neither grpc.aio's cancellation cost nor its
+# leak of a status sent on a reset call (grpc/grpc#43360). Read once, when the filter's config
+# is built: a static layer is where it belongs.
+GRACEFUL_CLOSE_FLAG = "envoy.reloadable_features.ext_proc_graceful_grpc_close"
+RUNTIME_LAYER = "fleet_extproc"
+
+
+def runtime_flags(runtime: Runtime) -> Json:
+    """The runtime keys the processor relies on (empty when it expects none)."""
+    return {GRACEFUL_CLOSE_FLAG: True} if runtime.envoy_graceful_close else {}
+
+
+def runtime_layer(flags: Json) -> Json:
+    return {"name": RUNTIME_LAYER, "static_layer": dict(flags)}
+
+
+def with_runtime_flags(bootstrap: Json, flags: Json) -> Json:
+    """``bootstrap`` with ``flags`` in its static layer named RUNTIME_LAYER, every layer already
+    present kept in its order. A bootstrap without layered_runtime gets ours followed by an
+    admin layer, which is what Envoy runs without one (so /runtime_modify keeps working)."""
+    if not flags:
+        return bootstrap
+    # Copies of what changes only: a large fleet's bootstrap is not copied whole.
+    layers = [dict(la) for la in bootstrap.get("layered_runtime", {}).get("layers", [])]
+    ours = [la for la in layers if la.get("name") == RUNTIME_LAYER and "static_layer" in la]
+    if ours:
+        ours[0]["static_layer"] = {**ours[0]["static_layer"], **flags}
+    elif not layers:
+        layers = [runtime_layer(flags), {"name": "admin", "admin_layer": {}}]
+    else:
+        # Later layers override earlier ones: ours goes before an admin layer, after the others.
+        at = next((i for i, la in enumerate(layers) if "admin_layer" in la), len(layers))
+        layers.insert(at, runtime_layer(flags))
+    return {
+        **bootstrap,
+        "layered_runtime": {**bootstrap.get("layered_runtime", {}), "layers": layers},
+    }
+
+
 def render_bootstrap(runtime: Runtime, opts: EnvoyOptions | None = None) -> Json:
+    return with_runtime_flags(_bootstrap(runtime, opts), runtime_flags(runtime))
+
+
+def _bootstrap(runtime: Runtime, opts: EnvoyOptions | None = None) -> Json:
     opts = opts or EnvoyOptions()
     cfg = runtime.config
     return {

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+import yaml
+
 from extproc.config.drain import termination_grace_s
 from extproc.config.runtime import Runtime
 from extproc.core.decide import Placer
@@ -44,6 +46,8 @@ from extproc.render.envoy import (
     RETRY_ON,
     h2_windows,
     internal_only_headers,
+    runtime_flags,
+    runtime_layer,
 )
 
 Json = dict[str, Any]
@@ -743,6 +747,25 @@ def render_client_policy(runtime: Runtime, opts: GatewayOptions) -> Json:
     )
 
 
+def render_envoy_proxy(runtime: Runtime, opts: GatewayOptions) -> Json | None:
+    """Envoy Gateway's EnvoyProxy carrying the runtime flags the processor relies on (the
+    graceful ext_proc close, render/envoy.py runtime_flags); None when it relies on none.
+    A Merge bootstrap adds our static layer after Envoy Gateway's own layers, keeping them
+    (Merge appends to lists). The Gateway uses it once its spec.infrastructure.parametersRef
+    (or its GatewayClass's parametersRef) names it: Envoy Gateway does not apply an EnvoyProxy
+    nothing references."""
+    flags = runtime_flags(runtime)
+    if not flags:
+        return None
+    value = yaml.safe_dump({"layered_runtime": {"layers": [runtime_layer(flags)]}}, sort_keys=False)
+    return _object(
+        ENVOY_GATEWAY + "/v1alpha1",
+        "EnvoyProxy",
+        _meta(PROCESSOR, opts.gateway_ns, "proxy"),
+        spec={"bootstrap": {"type": "Merge", "value": value}},
+    )
+
+
 def render_envoy_gateway(runtime: Runtime, opts: GatewayOptions) -> list[Json]:
     endpoints = cluster_endpoints(runtime)
     all_backends = render_all_cluster_backends(endpoints, opts)
@@ -919,6 +942,9 @@ def render_manifests(
         )
     objs = render_processor(runtime, opts, config_text)
     objs.append(render_client_policy(runtime, opts))
+    proxy = render_envoy_proxy(runtime, opts)
+    if proxy is not None:
+        objs.append(proxy)
     if opts.mode in ("envoy-gateway", "all"):
         objs += render_envoy_gateway(runtime, opts)
     if opts.mode in ("inference-pool", "all"):

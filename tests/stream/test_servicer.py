@@ -554,7 +554,7 @@ async def test_envoy_half_close_then_reset_ends_the_stream_without_waiting_out_t
     """Envoy's close is a half-close followed at once by a reset. With serve's linger the handler
     waits for that reset instead of sending a status (which grpc.aio leaks on a cancelled
     call): the reset, not the linger, ends the stream."""
-    proc = await start(reset_linger_s=60.0)
+    proc = await start(reset_linger_s=60.0, envoy_graceful_close=False)
     call = proc.stub.Process()
     await asyncio.wait_for(call.write(headers_msg(CHAT)), STEP_TIMEOUT)
     await asyncio.wait_for(call.read(), STEP_TIMEOUT)
@@ -568,10 +568,29 @@ async def test_envoy_half_close_then_reset_ends_the_stream_without_waiting_out_t
     assert await _streams_active(proc, 0.0, 10.0), "the reset did not end the lingering stream"
 
 
+async def test_a_graceful_envoys_half_close_gets_ok_at_once_without_the_linger(
+    start: Callable[..., Awaitable[Processor]],
+) -> None:
+    """processor.envoy_graceful_close (the default): Envoy half-closes and waits for the status
+    (ext_proc_graceful_grpc_close). The handler answers the half-close at once with OK, serve's
+    linger configured or not: no reset is awaited, so no cancellation happens."""
+    proc = await start(reset_linger_s=60.0)
+    call = proc.stub.Process()
+    await asyncio.wait_for(call.write(headers_msg(CHAT)), STEP_TIMEOUT)
+    await asyncio.wait_for(call.read(), STEP_TIMEOUT)
+    await asyncio.wait_for(call.write(body_msg(chat("hello"))), STEP_TIMEOUT)
+    routed(await asyncio.wait_for(call.read(), STEP_TIMEOUT))
+    await asyncio.wait_for(call.done_writing(), STEP_TIMEOUT)
+    # Well inside the 60 s linger: the status is the handler's return, not the linger's end.
+    assert await asyncio.wait_for(call.read(), 20.0) is grpc.aio.EOF
+    assert await asyncio.wait_for(call.code(), 20.0) == grpc.StatusCode.OK
+    assert await _streams_active(proc, 0.0, 10.0)
+
+
 async def test_a_peer_that_waits_for_the_status_gets_ok_after_the_linger(
     start: Callable[..., Awaitable[Processor]],
 ) -> None:
-    proc = await start(reset_linger_s=0.2)
+    proc = await start(reset_linger_s=0.2, envoy_graceful_close=False)
     loop = asyncio.get_running_loop()
     began = loop.time()
     answers = await exchange(proc, [headers_msg(CHAT), body_msg(chat("hello"))])

@@ -93,9 +93,40 @@ def schema_key(obj: Json) -> SchemaKey:
     return group, version, obj["kind"]
 
 
+# Envoy Gateway's EnvoyProxy CRD is not among the vendored schemas. The renderer emits one
+# field of it, spec.bootstrap (Envoy Gateway's ProxyBootstrap: type Merge | Replace | JSONPatch,
+# value a YAML string of a Bootstrap); this schema states that much, strict like the others.
+HAND_SCHEMAS: dict[SchemaKey, Json] = {
+    ("gateway.envoyproxy.io", "v1alpha1", "EnvoyProxy"): _strict(
+        {
+            "type": "object",
+            "required": ["apiVersion", "kind", "metadata", "spec"],
+            "properties": {
+                "apiVersion": {"type": "string"},
+                "kind": {"type": "string"},
+                "metadata": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                "spec": {
+                    "type": "object",
+                    "properties": {
+                        "bootstrap": {
+                            "type": "object",
+                            "required": ["type", "value"],
+                            "properties": {
+                                "type": {"enum": ["Merge", "Replace", "JSONPatch"]},
+                                "value": {"type": "string"},
+                            },
+                        }
+                    },
+                },
+            },
+        }
+    )
+}
+
+
 def validate_custom(obj: Json) -> None:
     key = schema_key(obj)
-    schema = crd_schemas().get(key)
+    schema = crd_schemas().get(key) or HAND_SCHEMAS.get(key)
     assert schema is not None, f"no CRD schema for {key} in {CRD_DIR}"
     errors = sorted(
         jsonschema.Draft7Validator(schema).iter_errors(obj), key=lambda e: list(e.absolute_path)
@@ -859,3 +890,34 @@ def test_cli_reports_render_errors_with_exit_2(
     assert "loopback" in capsys.readouterr().err
     assert cli.main(["gateway", "--config", str(COMPOSE_FLEET), "--mode", "all"]) == 2
     assert "--pool-hostname" in capsys.readouterr().err
+
+
+# --- EnvoyProxy: the runtime flags the processor relies on --------------------------------
+
+
+def test_envoy_proxy_merges_the_graceful_close_flag_into_envoy_gateways_bootstrap() -> None:
+    """processor.envoy_graceful_close (the default): the EnvoyProxy's Merge bootstrap adds one
+    static layer with the flag; Merge appends it after Envoy Gateway's own layers."""
+    for mode in MODES:
+        proxy = one(render(compose_fleet(), mode), "EnvoyProxy")
+        assert proxy["metadata"]["namespace"] == "fleet"
+        bootstrap = proxy["spec"]["bootstrap"]
+        assert bootstrap["type"] == "Merge"
+        assert yaml.safe_load(bootstrap["value"]) == {
+            "layered_runtime": {
+                "layers": [
+                    {
+                        "name": "fleet_extproc",
+                        "static_layer": {
+                            "envoy.reloadable_features.ext_proc_graceful_grpc_close": True
+                        },
+                    }
+                ]
+            }
+        }
+
+
+def test_no_envoy_proxy_when_the_processor_expects_an_envoy_without_the_flag() -> None:
+    data = yaml.safe_load(COMPOSE_FLEET.read_text())
+    data["processor"]["envoy_graceful_close"] = False
+    assert of_kind(render(fleet_from_dict(data)), "EnvoyProxy") == []

@@ -20,10 +20,12 @@ from extproc.names import BUFFER_HEADROOM, FLEET_HEADERS, ROUTE_HEADER, SERVED_A
 from extproc.render.envoy import (
     EXTPROC_CLUSTER,
     FALLBACK_CLUSTER,
+    GRACEFUL_CLOSE_FLAG,
     MODES,
     EnvoyOptions,
     Mode,
     render_bootstrap,
+    with_runtime_flags,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -313,3 +315,62 @@ def test_mode_override_is_allowed_only_when_something_overrides() -> None:
     assert allows()  # the default: the header path
     assert not allows(read_body="always")
     assert allows(read_body="always", inspect_usage=True)
+
+
+# --- the runtime layer: Envoy's graceful ext_proc close ------------------------------------
+
+
+def test_the_graceful_close_flag_is_rendered_in_a_static_layer(canonical: Runtime) -> None:
+    """processor.envoy_graceful_close (default true): the flag the processor relies on to end
+    each stream at Envoy's half-close (protocol/server.py), then Envoy's usual admin layer."""
+    assert canonical.envoy_graceful_close
+    layers = render_bootstrap(canonical)["layered_runtime"]["layers"]
+    assert layers == [
+        {"name": "fleet_extproc", "static_layer": {GRACEFUL_CLOSE_FLAG: True}},
+        {"name": "admin", "admin_layer": {}},
+    ]
+
+
+def test_no_runtime_layer_when_the_processor_expects_an_envoy_without_the_flag() -> None:
+    data = yaml.safe_load(CANONICAL.read_text())
+    data["processor"]["envoy_graceful_close"] = False
+    assert "layered_runtime" not in render_bootstrap(compile_runtime(parse_config(data)))
+
+
+def test_runtime_flags_keep_every_layer_already_present(tmp_path: Path) -> None:
+    present = {
+        "layered_runtime": {
+            "layers": [
+                {"name": "base", "static_layer": {"re2.max_program_size.error_level": 1000}},
+                {"name": "disk", "disk_layer": {"symlink_root": "/srv/runtime"}},
+                {"name": "admin", "admin_layer": {}},
+            ]
+        }
+    }
+    flags = {GRACEFUL_CLOSE_FLAG: True}
+    out = with_runtime_flags(present, flags)
+    assert [la["name"] for la in out["layered_runtime"]["layers"]] == [
+        "base",
+        "disk",
+        "fleet_extproc",  # before the admin layer, which still overrides everything
+        "admin",
+    ]
+    assert present["layered_runtime"]["layers"][0] == {
+        "name": "base",
+        "static_layer": {"re2.max_program_size.error_level": 1000},
+    }, "the input was changed"
+    assert len(present["layered_runtime"]["layers"]) == 3, "the input was changed"
+    # Applied twice (a bootstrap rendered again): still one layer of ours, merged.
+    again = with_runtime_flags(out, {"other.flag": False})
+    ours = [la for la in again["layered_runtime"]["layers"] if la["name"] == "fleet_extproc"]
+    assert ours == [{"name": "fleet_extproc", "static_layer": {**flags, "other.flag": False}}]
+
+
+def test_envoy_accepts_the_runtime_layer_beside_other_layers(
+    canonical: Runtime, tmp_path: Path
+) -> None:
+    bootstrap = render_bootstrap(canonical, EnvoyOptions(host_map=LOOPBACK))
+    bootstrap["layered_runtime"]["layers"].insert(
+        0, {"name": "base", "static_layer": {"re2.max_program_size.error_level": 1000}}
+    )
+    validate(with_runtime_flags(bootstrap, {GRACEFUL_CLOSE_FLAG: True}), tmp_path)
