@@ -95,6 +95,10 @@ UPSTREAM_BODY = (
 VARIANTS = {
     "affinity": {"affinity": {"enabled": True}},
     "usage": {"processor": {"inspect_usage": True}},
+    # An Envoy without the graceful ext_proc close (its bootstrap is rendered from this config
+    # too): the processor waits for Envoy's reset at every stream end (ARCHITECTURE.md, "End of
+    # a stream"), the price this variant shows against the plain extproc row.
+    "reset": {"processor": {"envoy_graceful_close": False}},
 }
 
 
@@ -676,7 +680,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--variants",
         default="affinity,usage",
         help="also measure the processor with these features on: affinity (response headers),"
-        " usage (response headers and bodies); '' for none",
+        " usage (response headers and bodies), reset (an Envoy without the graceful ext_proc"
+        " close, the processor waiting for its reset); '' for none",
     )
     parser.add_argument(
         "--baseline",
