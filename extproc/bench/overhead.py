@@ -51,6 +51,10 @@ WORKER_SETUP = "extproc-w"
 SIZES = {"1KB": 1024, "64KB": 64 * 1024, "4MiB": 4 << 20, "16MiB": 16 << 20}
 # The body path: every set-up of the real processor but ``header`` reads the body.
 BODY_PATH = {"processor": {"read_body": "always"}}
+# The baseline's interpreter: this one, without the working directory on sys.path (-P).
+BASELINE_PYTHON = (sys.executable, "-P")
+# The front Envoy's count of requests its ext_proc filter let through without the processor.
+FAILED_OPEN_STAT = "http.ingress.ext_proc.failure_mode_allowed"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 WRK_SCRIPT = """
@@ -177,6 +181,9 @@ class WrkResult:
     p99_ms: float
     errors: int
     proc_cpu_us_per_req: float | None
+    # Requests Envoy sent on without the processor (failure_mode open: the processor was not
+    # healthy or its stream failed): such a run does not measure the processor.
+    bypassed: int = 0
 
 
 _UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
@@ -329,10 +336,13 @@ class Bench:
             processor = Proc("bare", argv, self.workdir / "bare.log")
         elif setup == BASELINE_SETUP:
             assert self.baseline_src is not None
-            argv = [sys.executable, "-m", "extproc", "serve", "--config", str(self.fleet_path)]
+            # -P: `python -m` otherwise puts the working directory first on sys.path, and run
+            # from this repository (as `extproc bench` is) the baseline set-up ran this tree's
+            # code, not the older one's. With it the older tree (PYTHONPATH) comes first.
+            argv = [*BASELINE_PYTHON, "-m", "extproc", "serve", "--config", str(self.fleet_path)]
             argv += ["--log-level", "warning", "--workers", "1"]
-            # The older tree first on the path: its `extproc` shadows the installed one.
             env = {"PYTHONPATH": str(self.baseline_src)}
+            assert_runs_from(self.baseline_src, env)
             processor = Proc(setup, argv, self.workdir / f"{setup}.log", env=env)
         elif setup.startswith("extproc") or setup == "header":
             workers = int(setup.removeprefix(WORKER_SETUP)) if setup.startswith(WORKER_SETUP) else 1
@@ -401,18 +411,29 @@ class Bench:
         ]
         pid = processor.popen.pid if processor and processor.popen else None
         cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+        allowed0 = _envoy_counter(self.front_admin, FAILED_OPEN_STAT)
         out = subprocess.run(
             argv, capture_output=True, text=True, check=True, timeout=duration + 60
         ).stdout
         cpu1 = tree_cpu_seconds(pid) if pid else 0.0
+        bypassed = _envoy_counter(self.front_admin, FAILED_OPEN_STAT) - allowed0
         requests, rps, p50, p99, errors = parse_wrk(out)
         cpu = (cpu1 - cpu0) / requests * 1e6 if pid and requests else None
-        return WrkResult(setup, size, connections, requests, rps, p50, p99, errors, cpu)
+        return WrkResult(setup, size, connections, requests, rps, p50, p99, errors, cpu, bypassed)
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
         self.procs.clear()
+
+
+def _envoy_counter(admin: int, name: str) -> int:
+    _status, body = http_get(admin, f"/stats?filter=^{name}$")
+    for line in body.decode().splitlines():
+        key, _, value = line.partition(": ")
+        if key == name:
+            return int(value)
+    return 0
 
 
 def _ok(port: int, path: str) -> bool:
@@ -490,6 +511,18 @@ def run_bench(
     return results
 
 
+def assert_runs_from(tree: Path, env: dict[str, str]) -> None:
+    """The baseline interpreter imports ``extproc`` from ``tree``, whatever the working
+    directory: a comparison with the older code must run the older code."""
+    probe = [*BASELINE_PYTHON, "-c", "import extproc; print(extproc.__file__)"]
+    done = subprocess.run(
+        probe, capture_output=True, text=True, env={**os.environ, **env}, check=True, timeout=60
+    )
+    where = Path(done.stdout.strip()).resolve()
+    if not where.is_relative_to(tree.resolve()):
+        raise RuntimeError(f"the baseline imports extproc from {where}, not from {tree}")
+
+
 def _repo() -> Path:
     return Path(__file__).resolve().parents[2]
 
@@ -517,6 +550,7 @@ def _row(r: WrkResult) -> str:
     return (
         f"{r.setup:8s} {r.size:>5s} c={r.connections:<3d} rps={r.rps:9.1f} p50={r.p50_ms:7.3f}ms "
         f"p99={r.p99_ms:7.3f}ms cpu/req={cpu}us errors={r.errors}"
+        + (f" BYPASSED={r.bypassed}" if r.bypassed else "")
     )
 
 
@@ -568,6 +602,7 @@ def medians(results: list[WrkResult]) -> list[WrkResult]:
                 mid([r.p99_ms for r in rs]),
                 sum(r.errors for r in rs),
                 mid(cpus) if cpus else None,
+                sum(r.bypassed for r in rs),
             )
         )
     return out
@@ -628,6 +663,14 @@ def summarize(results: list[WrkResult]) -> list[str]:
     extras = sorted({r.setup for r in results if "+" in r.setup})
     lines += _against_extproc(by, extras, "rps: extproc / ", with_ratio=False)
     lines += _against_baseline(by)
+    skipped = [r for r in results if r.bypassed]
+    if skipped:
+        lines.append(
+            f"\nWARNING: in {len(skipped)} runs Envoy sent requests on without the processor"
+            f" (failure_mode open; {sum(r.bypassed for r in skipped)} requests): "
+            + ", ".join(f"{r.setup} {r.size} c={r.connections}" for r in skipped)
+            + ". Those figures are not the processor's: rerun."
+        )
     return lines
 
 

@@ -77,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="out/soak", help="directory for soak.json/soak.png")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--envoy-reset",
+        action="store_true",
+        help="an Envoy without the graceful ext_proc close (processor.envoy_graceful_close:"
+        " false): the processor waits for Envoy's reset at every stream end, the fallback",
+    )
 
 
 def judge(
@@ -153,7 +159,9 @@ def plot(samples: Sequence[Sample], verdict: Verdict, path: Path) -> None:
     fig.savefig(str(path), dpi=90)
 
 
-async def drive(args: argparse.Namespace, stack: FleetStack) -> tuple[list[Sample], float, float]:
+async def drive(
+    args: argparse.Namespace, stack: FleetStack
+) -> tuple[list[Sample], float, float, float]:
     proc = stack.procs[0]
     assert proc.popen is not None
     pid, port = proc.popen.pid, stack.metrics_ports[0]
@@ -206,9 +214,11 @@ async def drive(args: argparse.Namespace, stack: FleetStack) -> tuple[list[Sampl
     final = await asyncio.to_thread(probes.scrape, port)
     held = probes.total(final, "fleet_budget_inflight_requests")
     streams = probes.total(final, "fleet_extproc_streams_active")
+    # Streams that ended in Envoy's reset: ~0 with the graceful close, every one without.
+    cancelled = probes.total(final, "fleet_extproc_streams_cancelled_total")
     counts = load.counts()
     print(f"outcomes: {dict(counts)}  (generator skipped {load.skipped})", flush=True)
-    return samples, held, streams
+    return samples, held, streams, cancelled
 
 
 def run(args: argparse.Namespace) -> int:
@@ -221,6 +231,8 @@ def run(args: argparse.Namespace) -> int:
     )
     redis = RedisProc(out / "redis.log") if args.redis else None
     overrides: dict[str, Any] = {"redis": {"url": redis.url}} if redis else {}
+    if args.envoy_reset:
+        overrides["processor"] = {"envoy_graceful_close": False}
     stack = FleetStack(
         out / "fleet",
         clusters=args.clusters,
@@ -238,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(table([]), flush=True)
-        samples, held, streams = asyncio.run(drive(args, stack))
+        samples, held, streams, cancelled = asyncio.run(drive(args, stack))
     finally:
         stack.stop()
         if redis:
@@ -250,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
         "warmup_minutes": warmup_min,
         "rate_per_s": args.rate,
         "samples": [asdict(s) for s in samples],
+        "streams_cancelled": cancelled,
         "verdict": {**asdict(verdict), "ok": verdict.ok},
     }
     (out / "soak.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
@@ -260,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
         f"RSS {verdict.rss_warm_mb:.1f} MB after warm-up -> {verdict.rss_end_mb:.1f} MB at end "
         f"({verdict.rss_growth_pct:+.2f}%, bound {args.max_rss_growth_pct:g}%); FDs "
         f"{verdict.fds_warm} -> max {verdict.fds_max_after_warmup}; held after settle "
-        f"{verdict.held_after_settle:g}; streams open {verdict.streams_after_settle:g}"
+        f"{verdict.held_after_settle:g}; streams open {verdict.streams_after_settle:g}; "
+        f"streams ended by a reset {cancelled:g}"
     )
     for problem in verdict.problems:
         print(f"FAIL: {problem}")
@@ -273,4 +287,6 @@ def _argv(args: argparse.Namespace) -> list[str]:
     parts.append(f"--interval-s {args.interval_s:g}")
     if args.redis:
         parts.append("--redis")
+    if args.envoy_reset:
+        parts.append("--envoy-reset")
     return parts
