@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import itertools
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -34,11 +35,11 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from extproc.config.drain import termination_grace_s
+from extproc.config.drain import longest_wait_s, termination_grace_s
 from extproc.config.runtime import Runtime
 from extproc.core.decide import Placer
 from extproc.core.fleet import Cluster
-from extproc.names import BUFFER_HEADROOM, ROUTE_HEADER
+from extproc.names import BUFFER_HEADROOM, ROUTE_HEADER, WAIT_TIMER_HEADROOM_S
 from extproc.render.disagg import LABEL_PREFIX as DISAGG_LABEL_PREFIX
 from extproc.render.envoy import (
     LOCAL_ORIGIN_EJECT_AFTER,
@@ -620,6 +621,29 @@ def render_fallback_route(runtime: Runtime, opts: GatewayOptions, n_backends: in
 # --- Envoy Gateway: policies ---------------------------------------------------------------
 
 
+def gateway_message_timeout_ms(runtime: Runtime) -> int:
+    """The EnvoyExtensionPolicy's ``messageTimeout``: ``processor.message_timeout_ms``, plus
+    the longest a request can wait for budget (config/drain.longest_wait_s) and the same 1 s
+    headroom the processor's timer override gets.
+
+    Envoy Gateway renders this one field into the ext_proc filter's ``message_timeout`` and
+    has no ``max_message_timeout`` (its policy schema, v1alpha1), so Envoy ignores the
+    processor's ``override_message_timeout`` (counted as override_message_timeout_ignored).
+    A waiting request's body message stays unanswered for the whole wait, which starts once
+    the body has reached the processor: with the bare message timeout the timer would cut it
+    and the request would pass unplaced and unbudgeted (fail-open) or get a 503 (closed).
+    The price: a processor that hangs with its streams open is given up on after this long
+    instead of after ``message_timeout_ms``, on every request (the pod's liveness probe
+    restarts a wedged event loop after ~30 s). Operators who want the short timer set their
+    classes' ``wait.max_wait_s`` low (0: no waiting), and the timer follows.
+    """
+    proc = runtime.config.processor
+    longest = longest_wait_s(runtime.config)
+    if not longest:
+        return proc.message_timeout_ms
+    return proc.message_timeout_ms + math.ceil((longest + WAIT_TIMER_HEADROOM_S) * 1000)
+
+
 def render_extension_policy(
     runtime: Runtime, opts: GatewayOptions, route_names: Sequence[str]
 ) -> Json:
@@ -631,8 +655,9 @@ def render_extension_policy(
             # The processor routes from the body answer (header mutation + clear_route_cache).
             "request": {"body": "Buffered"},
         },
-        # The default 200 ms is too short to ship a multi-MB body to the processor.
-        "messageTimeout": _duration(proc.message_timeout_ms),
+        # The default 200 ms is too short to ship a multi-MB body to the processor; and the
+        # timer must outlast a wait for budget (gateway_message_timeout_ms).
+        "messageTimeout": _duration(gateway_message_timeout_ms(runtime)),
         # open: the request continues without x-fleet-route and takes the catch-all route.
         "failOpen": proc.failure_mode == "open",
         "statusOnError": 503,

@@ -19,18 +19,22 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import openai
 import orjson
 import pytest
+import yaml
 
 from extproc.config import Runtime, load_runtime
 from extproc.config.schema import ProcessorConfig
 from extproc.explain import explain_remote
 from extproc.harness.launch import Client, FleetStack, wait_until
+from extproc.render.gateway import gateway_message_timeout_ms
 from tests.e2e.conftest import dump_logs
 from tests.e2e.predict import facts_for
+from tests.support.flow import NO_PLACEMENT
 from tests.support.redis_server import RedisServer
 
 CHAT = "/v1/chat/completions"
@@ -107,10 +111,10 @@ def post(stack: FleetStack, sid: str, body: bytes) -> tuple[int, dict[str, str],
 
 
 def metric(stack: FleetStack, name: str, **labels: str) -> float:
-    """Summed over both replicas."""
+    """Summed over the stack's replicas."""
     want = tuple(sorted(labels.items()))
     total = 0.0
-    for i in range(2):
+    for i in range(len(stack.metrics_ports)):
         for (n, lab), value in stack.processor_metrics(i).items():
             if n == name and all(kv in lab for kv in want):
                 total += value
@@ -318,3 +322,109 @@ def test_clients_leaving_the_queue_leave_nothing_held(stack: FleetStack) -> None
         assert metric(stack, "fleet_flow_waits_total", result="cancelled") - cancelled_before == 2
         assert running.result()[0] == 200
     wait_until(polled(lambda: idle(stack)), 10, "budget released")
+
+
+# --- Envoy Gateway's filter: one message timer, no max_message_timeout --------------------
+
+
+@dataclass
+class GatewayTimerStack(FleetStack):
+    """A fleet whose ext_proc filter has the timers Envoy Gateway renders from the
+    EnvoyExtensionPolicy: ``message_timeout`` from its ``messageTimeout`` and no
+    ``max_message_timeout`` (the policy has no such field), so Envoy ignores the processor's
+    ``override_message_timeout``. ``policy_timer``: the policy's timer as rendered
+    (render/gateway.gateway_message_timeout_ms); False: the bare ``message_timeout_ms`` it
+    rendered before, the control that shows the test tells the two apart."""
+
+    policy_timer: bool = True
+
+    def write_configs(self) -> None:
+        super().write_configs()
+        runtime = load_runtime(self.fleet_path)
+        timer_ms = runtime.config.processor.message_timeout_ms
+        if self.policy_timer:
+            timer_ms = gateway_message_timeout_ms(runtime)
+        bootstrap = yaml.safe_load(self.envoy_path.read_text())
+        hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+        (ext,) = [
+            f["typed_config"]
+            for f in hcm["typed_config"]["http_filters"]
+            if f["name"] == "envoy.filters.http.ext_proc"
+        ]
+        ext["message_timeout"] = f"{timer_ms / 1000:g}s"
+        del ext["max_message_timeout"]
+        self.envoy_path.write_text(yaml.safe_dump(bootstrap, sort_keys=False))
+
+
+GATEWAY_HOLD_TOKENS = 160  # the holder keeps the long budget ~8 s at 20 tokens/s
+EXT_PROC_STATS = "http.ingress.ext_proc."
+
+
+@pytest.fixture(scope="module", params=["policy-timer", "bare-timer"])
+def gateway(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayTimerStack]:
+    running = GatewayTimerStack(
+        tmp_path_factory.mktemp("flow-gateway"),
+        clusters=2,
+        sim_args=SIM_ARGS,
+        sim_start_timeout_s=60.0,
+        policy_timer=request.param == "policy-timer",
+        fleet_overrides={
+            "processor": {"message_timeout_ms": ProcessorConfig().message_timeout_ms},
+            "classes": CLASSES,
+            "flow": NO_PLACEMENT,
+        },
+    )
+    with running:
+        yield running
+
+
+def test_under_envoy_gateways_timer_a_wait_past_the_old_timer_is_answered_and_budgeted(
+    gateway: GatewayTimerStack,
+) -> None:
+    runtime = load_runtime(gateway.fleet_path)
+    timer_s = gateway_message_timeout_ms(runtime) / 1000
+    assert timer_s == DEFAULT_TIMER_S + MAX_WAIT_S + 1  # what the policy renders here
+    envoy_yaml = gateway.envoy_path.read_text()
+    assert "max_message_timeout" not in envoy_yaml
+    bare = f"message_timeout: {DEFAULT_TIMER_S:g}s"
+    assert (bare in envoy_yaml) is not gateway.policy_timer
+    sid = "gateway-agent"
+    primary = ranked(runtime, sid)[0]
+    for turn in range(2):  # releases observed: the wait estimate has a rate to go by
+        status, headers, _ = post(gateway, sid, long_body(f"warm {turn}"))
+        assert status == 200 and headers["x-served-by"] == primary, dump_logs(gateway)
+    admitted_before = metric(gateway, "fleet_flow_waits_total", result="admitted")
+    with ThreadPoolExecutor(1) as pool:
+        holder = pool.submit(post, gateway, sid, long_body("hold", output=GATEWAY_HOLD_TOKENS))
+        wait_until(
+            polled(lambda: metric(gateway, "fleet_budget_inflight_requests", cluster=primary) == 1),
+            10,
+            "the holder admitted",
+        )
+        status, headers, took = post(gateway, sid, long_body("waiter"))
+        holder_running = not holder.done()
+        assert holder.result()[0] == 200
+    timeouts = gateway.envoy_stat(EXT_PROC_STATS + "message_timeouts")
+    failed_open = gateway.envoy_stat(EXT_PROC_STATS + "failure_mode_allowed")
+    admitted = metric(gateway, "fleet_flow_waits_total", result="admitted") - admitted_before
+    label = "policy" if gateway.policy_timer else "bare"
+    print(
+        f"{label} timer: waiter {status} after {took:.2f}s, message timeouts {timeouts}, "
+        f"failed open {failed_open}, admitted after a wait {admitted}"
+    )
+    assert status == 200, dump_logs(gateway)
+    if gateway.policy_timer:
+        # Answered by the processor after waiting out the holder, on the session's primary,
+        # longer than the old timer; Envoy ignored the processor's override (no max here).
+        assert not holder_running and took > DEFAULT_TIMER_S + 1.0, took
+        assert headers["x-served-by"] == primary and admitted == 1
+        assert timeouts == 0 and failed_open == 0, dump_logs(gateway)
+        assert gateway.envoy_stat(EXT_PROC_STATS + "override_message_timeout_ignored") >= 1
+    else:
+        # The bare timer cut the wait: the request passed without the processor's answer
+        # while the holder still had the class's only budget (unplaced, unbudgeted).
+        assert timeouts >= 1 and failed_open >= 1 and holder_running, took
+        assert admitted == 0
+    wait_until(polled(lambda: idle(gateway)), 10, "queues empty and budget released")

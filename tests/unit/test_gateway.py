@@ -28,6 +28,7 @@ import yaml
 
 from extproc import cli
 from extproc.config import Runtime, compile_runtime, load_config, parse_config
+from extproc.config.drain import longest_wait_s
 from extproc.core.placement import Placement
 from extproc.names import FLEET_HEADERS, PD_HEADERS, ROUTE_HEADER
 from extproc.render.gateway import (
@@ -491,11 +492,9 @@ def test_extension_policy_sends_headers_and_buffered_body_of_every_route_to_the_
     (ext,) = policy["spec"]["extProc"]
     assert ext["processingMode"] == {"request": {"body": "Buffered"}}  # no response phases
     assert ext["failOpen"] is (proc.failure_mode == "open")
-    assert ext["messageTimeout"] in (
-        f"{proc.message_timeout_ms}ms",
-        f"{proc.message_timeout_ms // 1000}s",
-        "1s500ms",
-    )
+    # The timer outlasts the longest wait for budget (test_message_timeout_covers_the_longest_wait).
+    longest_ms = longest_wait_s(fleet.runtime.config) * 1000
+    assert duration_ms(ext["messageTimeout"]) >= proc.message_timeout_ms + longest_ms
     (ref,) = ext["backendRefs"]
     service = by_name(objs, "Service")[ref["name"]]
     assert ref["port"] in [p["port"] for p in service["spec"]["ports"]]
@@ -509,10 +508,58 @@ def test_message_timeout_is_exact() -> None:
         ]
         == "1s500ms"
     )
+    # compose's medium and long classes have budgets and the default 30 s wait: 2 s + 30 s +
+    # 1 s (before flow control's waits it was the bare 2 s, which cut every longer wait).
     assert (
         one(render(compose_fleet()), "EnvoyExtensionPolicy")["spec"]["extProc"][0]["messageTimeout"]
-        == "2s"
+        == "33s"
     )
+
+
+def duration_ms(text: str) -> int:
+    """A Gateway API duration (``1m2s500ms``) in milliseconds."""
+    units = {"h": 3_600_000, "m": 60_000, "s": 1000, "ms": 1}
+    parts = re.findall(r"([0-9]{1,5})(ms|h|m|s)", text)
+    assert "".join(n + u for n, u in parts) == text, text
+    return sum(int(n) * units[u] for n, u in parts)
+
+
+def waiting_fleet(**wait: Any) -> Fleet:
+    """Two budgeted classes that wait (4.5 s and ``wait``), one unbudgeted class."""
+    data = fleet_data(3)
+    data["classes"] = [
+        {
+            "name": "short",
+            "max_input_tokens": 1000,
+            "budget": {"max_concurrent": 8},
+            "wait": {"max_wait_s": 4.5},
+        },
+        {"name": "free", "max_input_tokens": 5000},  # no budget: never waits
+        {"name": "long", "budget": {"max_concurrent": 1}, "wait": wait},
+    ]
+    return fleet_from_dict(data)
+
+
+def extension_timer(fleet: Fleet) -> str:
+    policy = one(render(fleet), "EnvoyExtensionPolicy")
+    validate_custom(policy)  # the vendored Envoy Gateway CRD's schema (duration pattern)
+    timer: str = policy["spec"]["extProc"][0]["messageTimeout"]
+    return timer
+
+
+def test_message_timeout_covers_the_longest_wait() -> None:
+    """Envoy Gateway's policy has no max_message_timeout, so the processor's timer override is
+    ignored there: the one timer is message_timeout_ms + the longest budgeted wait + 1 s."""
+    assert extension_timer(waiting_fleet(max_wait_s=12.25)) == "14s750ms"  # 1.5 + 12.25 + 1
+    assert extension_timer(waiting_fleet(max_wait_s=0)) == "7s"  # the short class: 1.5 + 4.5 + 1
+    assert extension_timer(waiting_fleet()) == "32s500ms"  # the large class's default 30 s
+    assert extension_timer(waiting_fleet(max_wait_s=3600)) == "1h2s500ms"  # the schema allows it
+    # Nothing budgeted waits (the unbudgeted class would wait 0.5 s by default): the bare timer.
+    data = fleet_data(3)
+    data["classes"] = [{"name": "free", "max_input_tokens": 5000}, {"name": "rest"}]
+    assert extension_timer(fleet_from_dict(data)) == "1s500ms"
+    data["classes"] = [{"name": "rest", "budget": {"max_concurrent": 2}, "wait": {"max_wait_s": 0}}]
+    assert extension_timer(fleet_from_dict(data)) == "1s500ms"
 
 
 @pytest.mark.parametrize("fleet_name", list(FLEETS))
