@@ -22,7 +22,6 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from importlib import resources
 from random import Random
 
 from prometheus_client import CollectorRegistry
@@ -33,6 +32,7 @@ from extproc.config.runtime import Runtime, compile_runtime
 from extproc.core.admission import Admitted, Ticket
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.ledger.gate import build_gate
+from extproc.ledger.redis import _script
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,7 +95,7 @@ def _redis_server(binary: str) -> Iterator[str]:
 def _script_commands() -> frozenset[str]:
     names: set[str] = set()
     for name in ("reserve.lua", "release.lua", "renew.lua"):
-        text = resources.files("extproc.ledger").joinpath(name).read_text(encoding="utf-8")
+        text = _script(name)  # as loaded: with the ticket helpers in front of reserve.lua
         names.update(m.lower() for m in re.findall(r"redis\.call\('(\w+)'", text))
     return frozenset(names)
 

@@ -1,6 +1,7 @@
 -- The fleet-wide queue of one (cluster, class) compartment: requests of every replica waiting
 -- for its budget, in one fair order (extproc/core/flow.py FairQueue, computed here so every
--- replica sees the same one). See extproc/ledger/redis.py for the key layout.
+-- replica sees the same one). See extproc/ledger/redis.py for the key layout; the ticket
+-- helpers (drop_ticket, reap_tickets, reset_if_idle, ticket_tokens) are tickets.lua's.
 --
 -- KEYS[1] queue zset (ticket -> tag)   KEYS[2] ticket expiry zset   KEYS[3] queue meta hash
 -- ARGV[1] op: 'join' | 'leave' | 'touch'
@@ -26,36 +27,15 @@ local op = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 
-local function reap()
-  local lapsed = redis.call('ZRANGEBYSCORE', expiry, '-inf', now, 'LIMIT', 0, 512)
-  for i = 1, #lapsed do
-    redis.call('ZREM', queue, lapsed[i])
-    redis.call('ZREM', expiry, lapsed[i])
-    redis.call('HDEL', meta, 'k:' .. lapsed[i])
-  end
-end
-
-local function idle_reset()
-  -- Nobody waits: nothing is owed to any tenant any more (V and the arrival count stay).
-  if redis.call('ZCARD', queue) == 0 then
-    local kept = redis.call('HMGET', meta, 'vt', 'seq')
-    redis.call('DEL', meta)
-    redis.call('HSET', meta, 'vt', kept[1] or '0', 'seq', kept[2] or '0')
-  end
-end
-
 if op == 'join' then
   local tenant = ARGV[3]
   local weight, tokens = tonumber(ARGV[4]), tonumber(ARGV[5])
   local lease, max_queue, idle_ttl_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-  reap()
-  idle_reset()
+  reap_tickets(queue, expiry, meta, now)
+  reset_if_idle(queue, meta)
   local n = redis.call('ZCARD', queue)
   if n >= max_queue then
-    local all = redis.call('ZRANGE', queue, 0, -1)
-    local sum = 0
-    for i = 1, #all do sum = sum + (tonumber(redis.call('HGET', meta, 'k:' .. all[i])) or 0) end
-    return {0, n, sum, '0', '', 0}
+    return {0, n, ticket_tokens(queue, meta, 0, -1), '0', '', 0}
   end
   local order = redis.call('HINCRBY', meta, 'seq', 1)
   local ticket = string.format('%012d', order) .. '/' .. ARGV[2]
@@ -68,19 +48,14 @@ if op == 'join' then
   redis.call('HSET', meta, 't:' .. tenant, text, 'k:' .. ticket, tokens)
   local rank = redis.call('ZRANK', queue, ticket)
   local sum = 0
-  if rank > 0 then
-    local ahead = redis.call('ZRANGE', queue, 0, rank - 1)
-    for i = 1, #ahead do sum = sum + (tonumber(redis.call('HGET', meta, 'k:' .. ahead[i])) or 0) end
-  end
+  if rank > 0 then sum = ticket_tokens(queue, meta, 0, rank - 1) end
   for _, key in ipairs({queue, expiry, meta}) do redis.call('PEXPIRE', key, idle_ttl_ms) end
   return {1, rank, sum, text, ticket, order}
 elseif op == 'leave' then
   local ticket, channel = ARGV[2], ARGV[3]
   local head = redis.call('ZRANGE', queue, 0, 0)
-  local removed = redis.call('ZREM', queue, ticket)
-  redis.call('ZREM', expiry, ticket)
-  redis.call('HDEL', meta, 'k:' .. ticket)
-  idle_reset()
+  local removed = drop_ticket(queue, expiry, meta, ticket)
+  reset_if_idle(queue, meta)
   if removed == 1 and head[1] == ticket and redis.call('ZCARD', queue) > 0 and channel ~= '' then
     -- The head left: the next one, on whichever replica, tries the budget now.
     redis.call('PUBLISH', channel, ARGV[4])

@@ -91,8 +91,17 @@ RENEW_BATCH = 1_000
 TICKET_LEASE_S = 3.0
 
 
+# Scripts that need the fleet-wide queue's ticket helpers: a Redis script cannot load
+# another, so tickets.lua goes in front of them (one EVALSHA each, as before).
+_WITH_TICKETS = frozenset({"queue.lua", "reserve.lua"})
+
+
 def _script(name: str) -> str:
-    return resources.files("extproc.ledger").joinpath(name).read_text(encoding="utf-8")
+    ledger = resources.files("extproc.ledger")
+    text = ledger.joinpath(name).read_text(encoding="utf-8")
+    if name in _WITH_TICKETS:
+        return ledger.joinpath("tickets.lua").read_text(encoding="utf-8") + "\n" + text
+    return text
 
 
 def compartment_keys(prefix: str, cluster: str, class_name: str) -> tuple[str, str, str]:

@@ -3,7 +3,7 @@
 --
 -- KEYS[1] state hash   KEYS[2] lease expiry zset   KEYS[3] lease tokens hash
 -- KEYS[4..6] the compartment's fleet-wide queue (queue.lua): queue zset, ticket expiry zset,
---            queue meta hash
+--            queue meta hash (its ticket helpers are tickets.lua's, loaded in front)
 -- ARGV: lease_id, tokens, max_inflight_tokens, max_concurrent, tokens_per_second,
 --       burst_tokens, lease_ttl_s, idle_ttl_ms, peek (1 = only report, reserve nothing),
 --       queue mode ('' = ignore the queue: a charge that follows a failover; '-' = a new
@@ -64,16 +64,11 @@ if burst > 0 then
   end
 end
 
--- The queue: lapsed tickets (their replica stopped renewing them) are reaped as in queue.lua.
+-- The queue: lapsed tickets (their replica stopped renewing them) are reaped (tickets.lua).
 local blocked = false
 local queued, queued_tokens = 0, 0
 if queue then
-  local lapsed = redis.call('ZRANGEBYSCORE', qexpiry, '-inf', now, 'LIMIT', 0, 512)
-  for i = 1, #lapsed do
-    redis.call('ZREM', queue, lapsed[i])
-    redis.call('ZREM', qexpiry, lapsed[i])
-    redis.call('HDEL', qmeta, 'k:' .. lapsed[i])
-  end
+  reap_tickets(queue, qexpiry, qmeta, now)
   queued = redis.call('ZCARD', queue)
   if not peek and mode ~= '' and queued > 0 then
     local head = redis.call('ZRANGE', queue, 0, 0)
@@ -110,29 +105,19 @@ end
 if granted == 1 and queue and mode ~= '' and mode ~= '-' then
   local tag = redis.call('ZSCORE', queue, mode)
   if tag then
-    redis.call('ZREM', queue, mode)
-    redis.call('ZREM', qexpiry, mode)
-    redis.call('HDEL', qmeta, 'k:' .. mode)
+    drop_ticket(queue, qexpiry, qmeta, mode)
     local vt = tonumber(redis.call('HGET', qmeta, 'vt')) or 0
     if tonumber(tag) > vt then redis.call('HSET', qmeta, 'vt', tag) end
     queued = queued - 1
     if queued == 0 then
-      -- Nobody waits: nothing is owed to any tenant any more (as queue.lua's idle_reset).
-      local kept = redis.call('HMGET', qmeta, 'vt', 'seq')
-      redis.call('DEL', qmeta)
-      redis.call('HSET', qmeta, 'vt', kept[1] or '0', 'seq', kept[2] or '0')
+      reset_if_idle(queue, qmeta)
     elseif channel ~= '' then
       -- The release may have freed room for more: the next head, on any replica, tries.
       redis.call('PUBLISH', channel, state)
     end
   end
 end
-if queue and queued > 0 then
-  local all = redis.call('ZRANGE', queue, 0, -1)
-  for i = 1, #all do
-    queued_tokens = queued_tokens + (tonumber(redis.call('HGET', qmeta, 'k:' .. all[i])) or 0)
-  end
-end
+if queue and queued > 0 then queued_tokens = ticket_tokens(queue, qmeta, 0, -1) end
 
 redis.call('HSET', state, 'tokens', inflight, 'count', count)
 if burst > 0 then

@@ -1,0 +1,38 @@
+-- The fleet-wide queue's ticket bookkeeping, shared by queue.lua and reserve.lua: a Redis
+-- script cannot load another, so extproc/ledger/redis.py puts this file in front of both when
+-- it loads them. Keys as in queue.lua: the queue zset (ticket -> tag), the ticket expiry zset
+-- and the meta hash (vt, seq, t:<tenant> last tags, k:<ticket> tokens).
+
+-- One ticket out of the queue; 1 when it was queued.
+local function drop_ticket(queue, expiry, meta, ticket)
+  local removed = redis.call('ZREM', queue, ticket)
+  redis.call('ZREM', expiry, ticket)
+  redis.call('HDEL', meta, 'k:' .. ticket)
+  return removed
+end
+
+-- Tickets whose replica stopped renewing them (dead, partitioned) leave, so they block nobody
+-- for longer than their lease. Bounded per call to bound script time.
+local function reap_tickets(queue, expiry, meta, now)
+  local lapsed = redis.call('ZRANGEBYSCORE', expiry, '-inf', now, 'LIMIT', 0, 512)
+  for i = 1, #lapsed do drop_ticket(queue, expiry, meta, lapsed[i]) end
+end
+
+-- Nobody waits: nothing is owed to any tenant any more (V and the arrival count stay).
+local function reset_if_idle(queue, meta)
+  if redis.call('ZCARD', queue) == 0 then
+    local kept = redis.call('HMGET', meta, 'vt', 'seq')
+    redis.call('DEL', meta)
+    redis.call('HSET', meta, 'vt', kept[1] or '0', 'seq', kept[2] or '0')
+  end
+end
+
+-- The tokens of the tickets ranked first..last (0-based, inclusive; -1 is the last).
+local function ticket_tokens(queue, meta, first, last)
+  local sum = 0
+  local tickets = redis.call('ZRANGE', queue, first, last)
+  for i = 1, #tickets do
+    sum = sum + (tonumber(redis.call('HGET', meta, 'k:' .. tickets[i])) or 0)
+  end
+  return sum
+end
