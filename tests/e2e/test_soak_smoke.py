@@ -29,4 +29,9 @@ def test_two_minute_soak_holds_its_bounds(tmp_path: Path) -> None:
     assert report["samples"][-1]["requests"] > 1000
     assert verdict["held_after_settle"] == 0
     assert verdict["rss_growth_pct"] <= 5.0
+    # Envoy's graceful close (rendered by default): streams end with OK, not in a reset. A few
+    # may still be reset where the loaded machine's event loop stalls past Envoy's 1 s
+    # remote-close timeout; without the flag every stream would be.
+    requests = report["samples"][-1]["requests"]
+    assert report["streams_cancelled"] <= 0.05 * requests, (report["streams_cancelled"], requests)
     assert (out / "soak.png").stat().st_size > 10_000
