@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config.load import parse_config
 from extproc.config.runtime import Runtime, compile_runtime
-from extproc.core.placement import Rendezvous
+from extproc.core.placement import VECTOR_MIN_CLUSTERS, Rendezvous
 from extproc.harness.launch import LOOPBACK, Proc, envoy_binary, free_port, http_get
 from extproc.ledger.gate import build_gate
 from extproc.metrics import Metrics
@@ -132,8 +132,10 @@ class EnvoyRow:
 class DecisionRow:
     clusters: int
     loop_us: float
-    miss_us: float
+    miss_us: float  # the processor's own path for a miss (numpy from VECTOR_MIN_CLUSTERS)
     hit_us: float
+    packed_miss_us: float = 0.0  # the big-integer path alone, measured in the same passes
+    weighted_miss_us: float = 0.0  # the processor's path with unequal weights (1, 2, 3, 4, ...)
     decide_us: dict[str, float] = field(default_factory=dict)
 
 
@@ -324,20 +326,29 @@ def _per_call_us(fn: Any, args: Sequence[Any], clock: Clock) -> float:
 
 def placement_times(
     n: int, clock: Clock = time.perf_counter, samples: int = 2000, repeats: int = 3
-) -> tuple[float, float, float]:
-    """(plain loop, packed miss path, cache hit) µs per top2 at ``n`` equal-weight clusters,
-    each the best of ``repeats`` passes (the machine may be shared: the least disturbed pass)."""
+) -> tuple[float, float, float, float, float]:
+    """(plain loop, miss, cache hit, packed miss, weighted miss) µs per top2 at ``n`` clusters.
+
+    "miss" is what the processor runs (``Rendezvous`` as built by the config); "packed miss" the
+    big-integer path alone, in the same passes so the two compare side by side. Each figure is
+    the best of ``repeats`` passes (the machine may be shared: the least disturbed pass).
+    """
     rng = random.Random(n)
     points = [rng.getrandbits(64) for _ in range(samples)]
     names = tuple(f"c{i:03d}" for i in range(n))
+    weights = tuple(float(1 + i % 4) for i in range(n))
     loop = Rendezvous(names, (1.0,) * n, cache_size=0, vectorise=False)
     loop_us = min(_per_call_us(loop.top2, points, clock) for _ in range(repeats))
-    miss_us = hit_us = float("inf")
+    miss_us = hit_us = packed_us = weighted_us = float("inf")
     for _ in range(repeats):
-        packed = Rendezvous(names, (1.0,) * n)  # a new placer: every point is a miss
-        miss_us = min(miss_us, _per_call_us(packed.top2, points, clock))
-        hit_us = min(hit_us, _per_call_us(packed.top2, points, clock))
-    return loop_us, miss_us, hit_us
+        placer = Rendezvous(names, (1.0,) * n)  # a new placer: every point is a miss
+        miss_us = min(miss_us, _per_call_us(placer.top2, points, clock))
+        hit_us = min(hit_us, _per_call_us(placer.top2, points, clock))
+        packed = Rendezvous(names, (1.0,) * n, numpy=False)
+        packed_us = min(packed_us, _per_call_us(packed.top2, points, clock))
+        weighted = Rendezvous(names, weights)
+        weighted_us = min(weighted_us, _per_call_us(weighted.top2, points, clock))
+    return loop_us, miss_us, hit_us, packed_us, weighted_us
 
 
 def _chat(session: int, turn: int) -> tuple[dict[str, str], bytes]:
@@ -384,8 +395,8 @@ async def decide_us(runtime: Runtime, requests: int, clock: Clock = time.perf_co
 def measure_decisions(
     n: int, designs: Sequence[Design], requests: int, clock: Clock = time.perf_counter
 ) -> DecisionRow:
-    loop_us, miss_us, hit_us = placement_times(n, clock)
-    row = DecisionRow(n, loop_us, miss_us, hit_us)
+    loop_us, miss_us, hit_us, packed_us, weighted_us = placement_times(n, clock)
+    row = DecisionRow(n, loop_us, miss_us, hit_us, packed_us, weighted_us)
     for design in designs:
         runtime = runtime_of(fleet_doc(n, 8, design, (1, 2, 3)))
         row.decide_us[design] = asyncio.run(decide_us(runtime, requests, clock))
@@ -418,14 +429,14 @@ def envoy_table(rows: Sequence[EnvoyRow]) -> str:
 
 def decision_table(rows: Sequence[DecisionRow], designs: Sequence[Design]) -> str:
     lines = [
-        "| clusters | top2 loop | top2 packed (miss) | top2 cache hit | "
-        + " | ".join(f"decide(), {d}" for d in designs)
-        + " |",
-        "|---|---|---|---|" + "---|" * len(designs),
+        "| clusters | top2 loop | top2 miss, packed | top2 miss | top2 miss, weighted "
+        "| top2 cache hit | " + " | ".join(f"decide(), {d}" for d in designs) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(designs),
     ]
     for r in rows:
         lines.append(
-            f"| {r.clusters} | {r.loop_us:.1f} µs | {r.miss_us:.1f} µs | {r.hit_us:.2f} µs | "
+            f"| {r.clusters} | {r.loop_us:.1f} µs | {r.packed_miss_us:.1f} µs "
+            f"| {r.miss_us:.1f} µs | {r.weighted_miss_us:.1f} µs | {r.hit_us:.2f} µs | "
             + " | ".join(f"{r.decide_us[d]:.0f} µs" for d in designs)
             + " |"
         )
@@ -446,7 +457,8 @@ def run(args: argparse.Namespace) -> int:
         decisions = [measure_decisions(n, deciders, args.requests, clock) for n in args.sizes]
         print(
             f"Decision time (µs per call, {'CPU time' if args.cpu_time else 'wall clock'};"
-            " placement: equal weights; decide(): 8 endpoints/cluster)"
+            " placement: equal weights unless weighted; miss = the processor's path, numpy from"
+            f" {VECTOR_MIN_CLUSTERS} clusters; decide(): 8 endpoints/cluster)"
         )
         print(decision_table(decisions, deciders), flush=True)
     envoy_rows: list[EnvoyRow] = []

@@ -26,7 +26,13 @@ Cost at hundreds of clusters (issue 21): a decision is O(N) hashes, and a Python
   whole splitmix64 over all N clusters is eleven big-integer operations (XOR, shift, AND with
   a lane mask, multiply: a lane's 64-bit value times a 64-bit constant fits its 128 bits, so no
   carry crosses lanes); the lanes are read back through a memoryview and compared with C-level
-  ``max``/``index``, which keeps the loop's tie rule (lower index wins on equal scores).
+  ``max``/``index``, which keeps the loop's tie rule (lower index wins on equal scores);
+- from ``VECTOR_MIN_CLUSTERS`` clusters a miss evaluates the same splitmix64 on a numpy
+  ``uint64`` array instead (``_Vector``): about ten array operations whatever N, where the packed
+  path's big-integer work grows with N. Equal weights take the top two of ``float(z)`` with
+  ``argmax`` (which keeps the first of equal maxima, the loop's tie rule); weights keep the
+  packed path's cut and score its few candidates with ``weighted_score`` itself, so numpy's
+  logarithm never decides a placement.
 """
 
 from __future__ import annotations
@@ -39,6 +45,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import neg, truediv
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    _U64 = npt.NDArray[Any]
 
 MASK64 = (1 << 64) - 1
 MIX1 = 0xBF58476D1CE4E5B9
@@ -50,6 +62,12 @@ _LANE_BYTES = _LANE // 8
 # Below this many clusters the plain loop is as fast as the packed path (measured with
 # `extproc bench scale --decisions-only`).
 PACKED_MIN_CLUSTERS = 12
+# From this many clusters a miss is evaluated with numpy (`_Vector`): its array operations cost
+# about the same at 16 clusters as at 512, where the packed path grows with N. Weighted fleets
+# also score a few candidates in Python, which moves their crossover up (both measured side by
+# side with `extproc bench scale --decisions-only`).
+VECTOR_MIN_CLUSTERS = 16
+VECTOR_MIN_CLUSTERS_WEIGHTED = 64
 # Recent session points remembered per placer (one dict entry and one Placement each,
 # ~150 bytes: ~10 MB at the default).
 DEFAULT_CACHE_SIZE = 1 << 16
@@ -94,11 +112,13 @@ class _Level:
 
     ``add`` holds 2**64 - T_i in every lane, so bit 64 of (z_i + 2**64 - T_i) is the test (the
     sum fits the 128-bit lane). ``floor``: every lane below its cut scores at most this, so the
-    candidates' top two are the fleet's when the second of them scores more.
+    candidates' top two are the fleet's when the second of them scores more. ``cuts``: the
+    T_i themselves (weighted fleets; the numpy path compares against them).
     """
 
     add: int
     floor: float
+    cuts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,13 +205,93 @@ def _level(expected: int, n: int, weights: Sequence[float] | None) -> _Level:
     # w / -ln(u) >= S  <=>  u >= exp(-w / S): a per-lane cut on the hash for one score S,
     # chosen so that about ``expected`` lanes pass (P(lane passes) ≈ w / S).
     score = sum(weights) / expected
+    cuts = tuple(max(0, int(math.exp(-w / score) * (1 << 64)) - _CUT_MARGIN) for w in weights)
     add = 0
-    for i, w in enumerate(weights):
-        cut = max(0, int(math.exp(-w / score) * (1 << 64)) - _CUT_MARGIN)
+    for i, cut in enumerate(cuts):
         add |= ((1 << 64) - cut) << (_LANE * i)
     # A lane below its cut has u < exp(-w / S), so it scores below S; the factor covers the
     # float error of the candidates' own scores.
-    return _Level(add, score * (1 + 1e-9))
+    return _Level(add, score * (1 + 1e-9), cuts)
+
+
+@dataclass(frozen=True, slots=True)
+class _Vector:
+    """The seeds as a numpy array: one miss is a fixed number of array operations.
+
+    ``pre`` holds ``seed ^ (seed >> 30)``: mix64's first step distributes over XOR
+    ((p ^ s) >> 30 == (p >> 30) ^ (s >> 30)), so it costs one XOR with the point's own part.
+    The last step, z = y ^ (y >> 31), leaves the top 33 bits of y as they are, so the order of
+    the y's top 31 bits is the order of the z's: the arrays stop at y, and Python finishes the
+    few lanes that matter. No buffer is kept between calls (numpy drops the GIL inside a loop
+    over more than ~500 elements, and a placer may be shared).
+    """
+
+    np: Any  # the numpy module, imported when a fleet is large enough to need it
+    pre: _U64
+    # Weighted fleets only: lane i is a candidate when y_i >= cuts[i], the packed path's first
+    # cut T_i with its low 33 bits cleared (z_i >= T_i implies it), and ``floor`` that level's.
+    cuts: _U64 | None
+    floor: float
+    # numpy scalars made once: building one costs about as much as an array operation.
+    k: tuple[Any, Any, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        u = self.np.uint64
+        object.__setattr__(self, "k", (u(MIX1), u(27), u(MIX2)))
+
+    @classmethod
+    def of(cls, seeds: Sequence[int], level: _Level | None) -> _Vector:
+        import numpy as np
+
+        s = np.array(seeds, dtype=np.uint64)
+        pre = s ^ (s >> np.uint64(30))
+        if level is None:
+            return cls(np, pre, None, 0.0)
+        cuts = np.array([c >> _LOW << _LOW for c in level.cuts], dtype=np.uint64)
+        return cls(np, pre, cuts, level.floor)
+
+    def premixed(self, point: int) -> _U64:
+        """y for every lane: mix64(point ^ seed) == y ^ (y >> 31)."""
+        np = self.np
+        mix1, s27, mix2 = self.k
+        x: _U64 = np.bitwise_xor(self.pre, np.uint64(point ^ (point >> 30)))
+        np.multiply(x, mix1, out=x)
+        t = np.right_shift(x, s27)
+        np.bitwise_xor(x, t, out=x)
+        np.multiply(x, mix2, out=x)
+        return x
+
+    def top2_equal(self, point: int) -> tuple[int, int] | None:
+        """Equal weights: (primary, secondary) lanes by float(z), or None if not proven.
+
+        ``argmax`` on y finds the lanes with the largest top 31 bits. When the best, the second
+        and the rest's best differ there, they are the top two of z; the float comparisons prove
+        that float(z) keeps them apart too (every other lane's z is below (hc + 1) << 33), so the
+        loop's tie rule is never needed. Otherwise (p ~ 1e-6) the caller computes it exactly.
+        """
+        y = self.premixed(point)
+        bi = int(y.argmax())
+        yb = int(y[bi])
+        y[bi] = 0
+        si = int(y.argmax())
+        ys = int(y[si])
+        y[si] = 0
+        hc = int(y[int(y.argmax())]) >> _LOW
+        hb, hs = yb >> _LOW, ys >> _LOW
+        zb, zs = float(yb ^ (yb >> 31)), float(ys ^ (ys >> 31))
+        if hb > hs > hc and zb > zs > float((hc + 1) << _LOW):
+            return bi, si
+        return None
+
+    def candidates(self, point: int) -> list[int] | None:
+        """Weighted fleets: the lanes that may pass the packed path's first cut (ascending)."""
+        assert self.cuts is not None
+        lanes: list[int] = self.np.flatnonzero(self.premixed(point) >= self.cuts).tolist()
+        return lanes if len(lanes) >= 2 else None
+
+
+# mix64's last step keeps the top 64 - _LOW bits of its input.
+_LOW = 33
 
 
 def _top2_of(scores: list[float]) -> tuple[int, int]:
@@ -211,9 +311,13 @@ class Rendezvous:
     cache_size: int = DEFAULT_CACHE_SIZE
     # False: the plain loop at every size (the benchmark's baseline; same answers).
     vectorise: bool = True
+    # False: the packed path even from VECTOR_MIN_CLUSTERS (the benchmark's comparison; same
+    # answers).
+    numpy: bool = True
     seeds: tuple[int, ...] = field(init=False)
     equal: bool = field(init=False)
     _packed: _Packed | None = field(init=False, repr=False, compare=False, hash=False)
+    _vector: _Vector | None = field(init=False, repr=False, compare=False, hash=False)
     _cache: dict[int, Placement] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -234,6 +338,14 @@ class Rendezvous:
         weights = None if len(set(self.weights)) == 1 else self.weights
         packed = _Packed.of(self.seeds, weights) if wide else None
         object.__setattr__(self, "_packed", packed)
+        vector = None
+        if packed is not None and self.numpy:
+            n = len(self.names)
+            if weights is None and n >= VECTOR_MIN_CLUSTERS:
+                vector = _Vector.of(self.seeds, None)
+            elif weights is not None and n >= VECTOR_MIN_CLUSTERS_WEIGHTED and packed.levels:
+                vector = _Vector.of(self.seeds, packed.levels[0])
+        object.__setattr__(self, "_vector", vector)
         object.__setattr__(self, "_cache", {})
 
     @classmethod
@@ -271,6 +383,16 @@ class Rendezvous:
         return placed
 
     def top2_uncached(self, point: int) -> Placement:
+        vector = self._vector
+        if vector is not None:
+            if vector.cuts is None:
+                top = vector.top2_equal(point)
+                if top is not None:
+                    return Placement(self.names[top[0]], self.names[top[1]])
+            elif (lanes := vector.candidates(point)) is not None:
+                bi, si, second = self._top2_among(point, lanes)
+                if second > vector.floor:
+                    return Placement(self.names[bi], self.names[si])
         packed = self._packed
         if packed is not None:
             # Score only the few lanes above a cut, in index order with the loop's rule; fall

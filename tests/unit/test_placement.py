@@ -13,8 +13,14 @@ from dataclasses import dataclass
 
 import pytest
 
+from extproc.core import placement as placement_module
 from extproc.core.placement import (
+    MASK64,
+    MIX1,
+    MIX2,
     PACKED_MIN_CLUSTERS,
+    VECTOR_MIN_CLUSTERS,
+    VECTOR_MIN_CLUSTERS_WEIGHTED,
     Placement,
     Rendezvous,
     cluster_seed,
@@ -255,16 +261,62 @@ def reference_top2(names_: tuple[str, ...], weights: tuple[float, ...], point: i
 
 @pytest.mark.parametrize("n", [PACKED_MIN_CLUSTERS, 64, 512], ids=lambda n: f"{n}-clusters")
 @pytest.mark.parametrize("weighted", [False, True], ids=["equal", "weighted"])
-def test_the_packed_path_places_exactly_as_the_definition(n: int, weighted: bool) -> None:
+@pytest.mark.parametrize("numpy", [False, True], ids=["packed", "numpy"])
+def test_the_packed_path_places_exactly_as_the_definition(
+    n: int, weighted: bool, numpy: bool
+) -> None:
     rng = random.Random(n)
     weights = tuple(rng.choice((0.25, 1.0, 2.0, 3.5)) for _ in range(n)) if weighted else (1.0,) * n
-    placer = Rendezvous(names(n), weights)
+    placer = Rendezvous(names(n), weights, numpy=numpy)
+    # The numpy path is taken where the core says (not just available): both paths are tested.
+    threshold = VECTOR_MIN_CLUSTERS_WEIGHTED if weighted else VECTOR_MIN_CLUSTERS
+    assert (placer._vector is not None) == (numpy and n >= threshold)
     for p in points(600, seed=n):
         assert placer.top2_uncached(p) == reference_top2(names(n), weights, p)
     # ranked() shares the packed scores: its head is the same pair.
     p = points(1, seed=n + 1)[0]
     reference = reference_top2(names(n), weights, p)
     assert placer.ranked(p)[:2] == [reference.primary, reference.secondary]
+
+
+def _unmix(z: int) -> int:
+    """The x with mix64(x) == z: each step of splitmix64's finaliser is a bijection."""
+
+    def unshift(y: int, k: int) -> int:
+        x = y
+        for _ in range(64 // k + 1):
+            x = y ^ (x >> k)
+        return x
+
+    x = unshift(z, 31)
+    x = unshift(x * pow(MIX2, -1, 1 << 64) & MASK64, 27)
+    return unshift(x * pow(MIX1, -1, 1 << 64) & MASK64, 30)
+
+
+@pytest.mark.parametrize("numpy", [False, True], ids=["packed", "numpy"])
+def test_equal_float_scores_go_to_the_lower_index_on_every_path(
+    numpy: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hashes that differ only below float precision: the loop's rule, lower index first.
+
+    The seeds are built backwards from chosen hashes for one point, so the top of the fleet
+    holds two lanes whose z differ by 640 (one float, 2**64) and share their top 31 bits, and a
+    third just below: the numpy path must notice it cannot decide them and not guess.
+    """
+    n, point = 64, 0x0123_4567_89AB_CDEF
+    rng = random.Random(5)
+    wanted = [rng.getrandbits(62) for _ in range(n)]
+    wanted[40], wanted[5], wanted[20] = MASK64 - 3, MASK64 - 643, MASK64 - (1 << 40)
+    seeds = {f"t{i}": _unmix(z) ^ point for i, z in enumerate(wanted)}
+    assert [mix64(point ^ seeds[f"t{i}"]) for i in range(n)] == wanted
+    assert float(wanted[40]) == float(wanted[5])
+    monkeypatch.setattr(placement_module, "cluster_seed", seeds.__getitem__)
+    placer = Rendezvous(tuple(seeds), (1.0,) * n, cache_size=0, numpy=numpy)
+    assert (placer._vector is not None) == numpy
+    if placer._vector is not None:
+        assert placer._vector.top2_equal(point) is None  # not proven: the exact path decides
+    assert placer.top2(point) == Placement("t5", "t40")
+    assert placer.ranked(point)[:3] == ["t5", "t40", "t20"]
 
 
 def test_the_cache_answers_as_computed_and_stays_bounded() -> None:
