@@ -724,6 +724,47 @@ def format_targets(found: Sequence[Target]) -> str:
     return "\n".join(f"- {t.name}: {t.value} — {mark[t.met]}" for t in found)
 
 
+# -- offline: which sessions a prefix key splits ---------------------------------------------------
+
+
+def key_split(
+    requests: Sequence[ReplayRequest], prefix_key: Literal["chain", "opening"], common_after: int
+) -> str:
+    """Sessions (>= 2 requests) whose requests the processor's own ``parse_request`` gives more
+    than one key, as one replica sees the requests in arrival order: each split session lands
+    on more than one cluster whatever the placement. No Envoy, no clusters: not load-dependent."""
+    from extproc.core.chains import ChainParams, ChainSketch
+    from extproc.core.facts import ParseLimits, RequestFacts, parse_request
+    from extproc.core.keys import KeyRules
+
+    params = ChainParams(common_after=common_after)
+    rules = KeyRules(prefix_key=prefix_key, chain=params, sketch=ChainSketch(params))
+    keys: defaultdict[str, set[int]] = defaultdict(set)
+    counts: Counter[str] = Counter()
+    headed: dict[str, bool] = {}
+    ordered = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    for n in ordered:
+        request = requests[n]
+        sid = request.session_id or f"anon-{n}"
+        headers = {"content-type": "application/json"}
+        if request.send_session_header and request.session_id:
+            headers["x-session-id"] = request.session_id
+        body = orjson.dumps(request.materialize())
+        facts = parse_request(request.path, headers, body, rules, ParseLimits())
+        if isinstance(facts, RequestFacts):
+            keys[sid].add(facts.session.point)
+            counts[sid] += 1
+            headed[sid] = "x-session-id" in headers
+    multi = [sid for sid, n in counts.items() if n >= 2]
+    split = [sid for sid in multi if len(keys[sid]) > 1]
+    bare = sum(1 for sid in multi if not headed[sid])
+    return (
+        f"{prefix_key} key (common_after {common_after}): {len(split)} of {len(multi)} sessions "
+        f"with >= 2 requests get more than one key ({sum(1 for s in split if not headed[s])} "
+        f"of the {bare} without a session header)"
+    )
+
+
 # -- CLI ----------------------------------------------------------------------------------------
 
 
@@ -804,6 +845,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     fleet.add_argument("--class-bounds", default="2048,100000", help="SHORT,LONG input tokens")
 
+    parser.add_argument(
+        "--key-split",
+        action="store_true",
+        help="offline, no Envoy: per prefix key, the sessions whose requests get more than one "
+        "key (parse_request in arrival order)",
+    )
+    parser.add_argument(
+        "--common-after",
+        type=int,
+        default=4,
+        help="--key-split: the chain key's prefix.common_after",
+    )
     parser.add_argument(
         "--message-timeout-ms",
         type=int,
@@ -911,6 +964,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"extproc bench routing: {exc}", file=sys.stderr)
         return 2
 
+    if args.key_split:
+        print(f"workload: {workload.description}")
+        keys: tuple[Literal["chain", "opening"], ...] = ("opening", "chain")
+        for key in keys:
+            print(key_split(workload.requests, key, args.common_after))
+        return 0
     out_dir: Path = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"workload: {workload.description}", file=sys.stderr)

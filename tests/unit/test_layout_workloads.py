@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 
 from extproc.bench import routing
+from extproc.bench.routing import key_split
 from extproc.harness import replay_cmd
+from extproc.harness.workload import ReplayRequest
 
 
 def _parse(add: object, argv: list[str]) -> argparse.Namespace:
@@ -35,3 +37,42 @@ def test_bench_routing_takes_a_layout_with_the_chain_key_by_default() -> None:
     assert workload.name == "layout" and len(workload.requests) == 12
     assert len(workload.prompt_blocks) == 12 and 0.0 < workload.ideal_hit_ratio < 1.0
     assert routing.DEFAULT_SPEEDUP[workload.name] > 0
+
+
+def _request(sid: str, text: str, at: float, header: bool = False) -> ReplayRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+    return ReplayRequest(
+        arrival_s=at,
+        api="openai-chat",
+        path="/v1/chat/completions",
+        body=body,
+        session_id=sid,
+        send_session_header=header,
+        kind="chat",
+        input_tokens=len(text) // 4,
+        stream=False,
+        max_tokens=4,
+    )
+
+
+def test_key_split_counts_sessions_whose_requests_get_more_than_one_key() -> None:
+    # Session "doc": six requests reading one long document, each with its own question (a
+    # Mooncake session). Session "hdr": the same shape, but it names itself in x-session-id.
+    # Session "chat": one conversation's two turns (the second repeats the first and appends).
+    doc = "".join(f"line {i} of a long shared document\n" for i in range(200))
+    requests = [_request("doc", f"{doc}question {i}: why {i}?\n" * 3, i) for i in range(6)]
+    requests += [_request("hdr", f"{doc}other question {i}?", 10 + i, True) for i in range(6)]
+    first = "hello there, " * 100 + "\n"  # past the old key's 1,024 characters
+    requests.append(_request("chat", first, 20))
+    requests.append(_request("chat", first + "and a follow-up turn", 21))
+    # The old key reads the first 1,024 characters: one key per session.
+    assert key_split(requests, "opening", 4).startswith(
+        "opening key (common_after 4): 0 of 3 sessions"
+    )
+    # The chain key: after four conversations through the document it is a common opening, so
+    # the later requests of "doc" key deeper; the header session and the turns keep theirs.
+    assert key_split(requests, "chain", 4) == (
+        "chain key (common_after 4): 1 of 3 sessions with >= 2 requests get more than one key "
+        "(1 of the 2 without a session header)"
+    )
+    assert key_split(requests, "chain", 16).startswith("chain key (common_after 16): 0 of 3")
