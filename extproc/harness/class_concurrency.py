@@ -10,6 +10,8 @@ the processor's admission (the fail-open fallback route); they are counted under
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,6 +19,9 @@ from dataclasses import dataclass, field
 # The processor's class header (extproc.protocol.names.CLASS_HEADER); repeated here so the
 # simulated engine depends on nothing of the gateway's.
 CLASS_HEADER = "x-fleet-class"
+# The most recent requests kept with their times (for `extproc chaos`'s diagnosis of a peak):
+# bounded, so a long soak's engine does not grow.
+KEPT_REQUESTS = 50_000
 
 
 @dataclass(slots=True)
@@ -24,9 +29,15 @@ class ClassConcurrency:
     inflight: dict[str, int] = field(default_factory=dict)
     peak: dict[str, int] = field(default_factory=dict)
     total: dict[str, int] = field(default_factory=dict)
+    # (request id, class, start, end) of finished requests, wall-clock seconds (the processor's
+    # log lines carry the same clock), newest last.
+    finished: deque[tuple[str, str, float, float]] = field(
+        default_factory=lambda: deque(maxlen=KEPT_REQUESTS)
+    )
 
     @contextmanager
-    def track(self, request_class: str) -> Iterator[None]:
+    def track(self, request_class: str, request_id: str = "") -> Iterator[None]:
+        started = time.time()
         now = self.inflight.get(request_class, 0) + 1
         self.inflight[request_class] = now
         self.total[request_class] = self.total.get(request_class, 0) + 1
@@ -36,6 +47,11 @@ class ClassConcurrency:
             yield
         finally:
             self.inflight[request_class] -= 1
+            self.finished.append((request_id, request_class, started, time.time()))
+
+    def requests_since(self, since: float) -> list[tuple[str, str, float, float]]:
+        """The kept requests that ended at or after ``since`` (wall-clock seconds)."""
+        return [r for r in self.finished if r[3] >= since]
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         return {"inflight": dict(self.inflight), "peak": dict(self.peak), "total": dict(self.total)}

@@ -16,7 +16,8 @@ real OpenAI-compatible / Anthropic-compatible backend:
   then drops the connection before a response byte (an engine crash mid-prefill);
 - ``GET /admin/concurrency``: requests in flight, peak and total per request class (the
   processor's ``x-fleet-class``), how tests prove budgets at the upstream; ``DELETE`` restarts
-  the peaks;
+  the peaks; ``GET /admin/requests?since=<unix time>``: the last 50,000 finished requests as
+  [``x-request-id``, class, start, end] (wall clock), for `extproc chaos`'s diagnosis of a peak;
 - ``GET /admin/executions``: generations started, per ``x-request-id`` (Envoy keeps the id
   across retries, so a count above 1 is a generation that ran twice).
 
@@ -397,6 +398,7 @@ class SimCluster:
         app.router.add_get("/admin/fault", self._get_fault)
         app.router.add_get("/admin/concurrency", self._get_concurrency)
         app.router.add_delete("/admin/concurrency", self._reset_concurrency)
+        app.router.add_get("/admin/requests", self._get_requests)
         app.router.add_get("/admin/executions", self._get_executions)
         return app
 
@@ -458,6 +460,13 @@ class SimCluster:
 
     async def _get_concurrency(self, request: web.Request) -> web.Response:
         return web.json_response(self.concurrency.snapshot(), headers=self._base_headers())
+
+    async def _get_requests(self, request: web.Request) -> web.Response:
+        since = float(request.query.get("since", "0") or 0)
+        kept = self.concurrency.requests_since(since)
+        return web.json_response(
+            {"requests": [list(r) for r in kept]}, headers=self._base_headers()
+        )
 
     async def _reset_concurrency(self, request: web.Request) -> web.Response:
         self.concurrency.reset_peaks()
@@ -523,7 +532,8 @@ class SimCluster:
         )
 
     async def _inference(self, request: web.Request, api: ApiKind) -> web.StreamResponse:
-        with self.concurrency.track(request.headers.get(CLASS_HEADER, "")):
+        request_id = request.headers.get("x-request-id", "")
+        with self.concurrency.track(request.headers.get(CLASS_HEADER, ""), request_id):
             try:
                 return await self._serve(request, api)
             except asyncio.CancelledError:

@@ -48,6 +48,9 @@ class Hold:
     """
 
     api: Api
+    # Envoy's x-request-id, for the debug lines of admission and release (`extproc chaos`
+    # joins them with what the upstreams saw).
+    request_id: str = ""
     # Budget reservation, held until the exchange ends.
     ticket: Ticket | None = None
     # Load-aware affinity only: the cluster counted in flight for this exchange, and whether

@@ -364,7 +364,7 @@ class Pipeline:
                 prefill,
                 self._engine_key(runtime, facts),
             )
-        hold = Hold(api)
+        hold = Hold(api, headers.get("x-request-id", ""))
         if self._gate is not None:
             admission = await self._admit(self._gate, runtime, facts, route, view, now, headers)
             if isinstance(admission, Reject):
@@ -457,6 +457,10 @@ class Pipeline:
                     "secondary": route.placement.secondary,
                     "kind": kind,
                     "input_tokens": facts.input_tokens,
+                    # Which ledger admitted it (redis, memory: the local fallback, or none) and
+                    # under which config: what `extproc chaos` explains a peak with.
+                    "ledger": hold.ticket.store if hold.ticket is not None else None,
+                    "config_version": runtime.version,
                 },
             )
         return Routed(
@@ -960,6 +964,11 @@ class Pipeline:
         if cls is None:
             return  # the class is gone after a reload: keep the charge where it is
         hold.ticket = await self._gate.move(ticket, served, cls.budget)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "charge moved",
+                extra={"request_id": hold.request_id, "from": ticket.cluster, "to": served},
+            )
 
     # -- the end ------------------------------------------------------------------------------
     def wants_request_body(self) -> bool:
@@ -1013,6 +1022,16 @@ class Pipeline:
             else:
                 self._engine_inflight.pop(engine, None)  # a reload may have removed it
         ticket, hold.ticket = hold.ticket, None
+        if ticket is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "released",
+                extra={
+                    "request_id": hold.request_id,
+                    "cluster": ticket.cluster,
+                    "request_class": ticket.class_name,
+                    "ledger": ticket.store,
+                },
+            )
         # In memory: given back at once, no task per request (a shield costs one). Redis:
         # shielded, as the stream may be ending by cancellation (client or upstream abort)
         # and a second cancel must not abandon the release half-way (a round trip).

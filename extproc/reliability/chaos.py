@@ -15,7 +15,12 @@ Per fault it reports client-visible failures (4xx other than 429, 5xx, transport
 timeouts), 429s, truncated streams, requests that reached an upstream with no class (a
 processor failing open), the maximum over-admission per class counted at the upstreams (peak
 concurrent requests of a class on one cluster minus that class's ``max_concurrent``), the
-budget still held after settling, and the time to recover. Output: a table and JSON.
+budget still held after settling, and the time to recover. Each row is held to the
+over-admission bound that applies to its fault (extproc/reliability/chaos_bounds.py) and marked
+PASS or FAIL; for a class that went over its budget, the row's diagnosis says what the requests
+running at the peak were (which ledger admitted them, under which config version, on which
+cluster, whether the processor had already released them). The processors run with debug logs
+for that (one line per admission and release). Output: a table and JSON.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ import yaml
 
 from extproc.harness.launch import LOOPBACK, FleetStack, http_get, wait_until
 from extproc.reliability import probes
+from extproc.reliability.chaos_bounds import (
+    Interval,
+    LogCursor,
+    bound_for,
+    diagnose,
+    explain,
+    fail_open,
+    read_admissions,
+)
 from extproc.reliability.redis_proc import RedisProc
 from extproc.reliability.tcp_proxy import TcpProxy
 from extproc.reliability.traffic import FAILURES, SteadyLoad, TrafficOptions
@@ -74,6 +88,13 @@ class FaultResult:
     redis_errors: int = 0
     recover_s: float | None = None
     failures_by_kind: dict[str, int] = field(default_factory=dict)
+    # The over-admission bound per class for this fault, the mechanisms it is made of, and
+    # PASS (over-admission within it, nothing held after settling) or FAIL.
+    bound: dict[str, int] = field(default_factory=dict)
+    bound_from: list[str] = field(default_factory=list)
+    verdict: str = ""
+    # Per class over its budget: what the requests running at the worst peak were.
+    diagnosis: dict[str, Any] = field(default_factory=dict)
     note: str = ""
 
 
@@ -98,6 +119,11 @@ class Chaos:
         self.results: list[FaultResult] = []
         # Concurrency figures of clusters removed during the current fault.
         self._gone_peaks: list[dict[str, Any]] = []
+        # What the upstreams of clusters removed during the current fault saw, per request.
+        self._gone_requests: dict[str, list[Interval]] = {}
+        # The processors' debug lines, read as the run goes: request id -> its admission.
+        self._cursors: dict[int, LogCursor] = {}
+        self._admissions: dict[str, Any] = {}
 
     # ----- the fleet ------------------------------------------------------------------------
     def fleet(self) -> FleetStack:
@@ -114,7 +140,8 @@ class Chaos:
             processors=2,
             dynamic_cds=True,
             sim_args=("--time-scale", str(self.args.time_scale)),
-            processor_args=("--grace", str(self.args.grace_s)),
+            # Debug lines: one per admission and release, for the diagnosis of a peak.
+            processor_args=("--grace", str(self.args.grace_s), "--log-level", "debug"),
             fleet_overrides={
                 "classes": CLASSES,
                 "flow": {"place_new_sessions": False},
@@ -123,6 +150,8 @@ class Chaos:
                     "on_unavailable": "local",
                     "timeout_ms": 50,
                     "lease_ttl_s": 30,
+                    # Two replicas: each one's local share is half a budget (RELIABILITY.md).
+                    "replicas": self.args.ledger_replicas,
                 },
             },
             access_log=False,
@@ -172,6 +201,8 @@ class Chaos:
         # Its figures count for this fault: read them before it goes.
         snap = await asyncio.to_thread(http_get, spec.port, "/admin/concurrency", 5)
         self._gone_peaks.append(orjson.loads(snap[1]))
+        seen = await asyncio.to_thread(http_get, spec.port, "/admin/requests", 5)
+        self._gone_requests[spec.name] = [tuple(r) for r in orjson.loads(seen[1])["requests"]]
         proc = stack.sims.pop(spec.name)
         await asyncio.to_thread(proc.stop)
 
@@ -264,6 +295,39 @@ class Chaos:
                 continue  # a cluster down right now has no figures to give
         return out
 
+    def _upstream_requests(self, since: float) -> dict[str, list[Interval]]:
+        """What each live upstream saw per request since ``since`` (wall clock)."""
+        out: dict[str, list[Interval]] = dict(self._gone_requests)
+        for name, spec in list(self.fleet().sim_specs.items()):
+            proc = self.fleet().sims.get(name)
+            if proc is None or not proc.alive:
+                continue
+            try:
+                _status, body = http_get(spec.port, f"/admin/requests?since={since}", 10)
+            except OSError:
+                continue
+            out[name] = [
+                (str(r[0]), str(r[1]), float(r[2]), float(r[3]))
+                for r in orjson.loads(body)["requests"]
+            ]
+        return out
+
+    def _read_admissions(self) -> None:
+        """Fold the processors' new debug lines into the admissions seen so far."""
+        lines = {}
+        for i, proc in enumerate(self.fleet().procs):
+            cursor = self._cursors.setdefault(i, LogCursor(proc.log_path))
+            lines[i] = cursor.new_lines()
+        for rid, seen in read_admissions(lines).items():
+            old = self._admissions.get(rid)
+            if old is not None and seen.released_at is None:
+                seen.released_at = old.released_at
+            self._admissions[rid] = seen
+        fresh = {a.routed_at for a in self._admissions.values()}
+        if len(self._admissions) > 200_000 and fresh:
+            horizon = sorted(fresh)[-100_000]
+            self._admissions = {k: v for k, v in self._admissions.items() if v.routed_at >= horizon}
+
     def _counter(self, name: str) -> list[float]:
         values = []
         for i, proc in enumerate(self.fleet().procs):
@@ -318,8 +382,11 @@ class Chaos:
     async def run_fault(self, fault: Fault) -> FaultResult:
         assert self.load is not None
         load = self.load
+        # Before the peaks restart: every request the peaks can count ends after this.
+        began_wall = time.time()
         await asyncio.to_thread(self._concurrency, True)
         self._gone_peaks = []
+        self._gone_requests = {}
         errors_before = await asyncio.to_thread(self._counter, ERRORS)
         began = time.monotonic()
         await fault.inject()
@@ -334,6 +401,7 @@ class Chaos:
         )
         ended = time.monotonic()
         peaks = await asyncio.to_thread(self._concurrency, False)
+        upstream = await asyncio.to_thread(self._upstream_requests, began_wall)
         held = self._held()
         deadline = time.monotonic() + self.args.settle_s
         while held and time.monotonic() < deadline:
@@ -342,10 +410,13 @@ class Chaos:
         counts = load.counts(began, ended + 0.001)
         errors_after = await asyncio.to_thread(self._counter, ERRORS)
         # A restarted replica starts its counters from zero: count what it shows since.
-        redis_errors = sum(
-            after - before if after >= before else after
-            for before, after in zip(errors_before, errors_after, strict=True)
+        redis_errors = int(
+            sum(
+                after - before if after >= before else after
+                for before, after in zip(errors_before, errors_after, strict=True)
+            )
         )
+        await asyncio.to_thread(self._read_admissions)
         over: dict[str, int] = {}
         unclassed = 0
         for snap in [*peaks.values(), *self._gone_peaks]:
@@ -364,10 +435,19 @@ class Chaos:
             unclassed_at_upstream=unclassed,
             over_admission={k: over.get(k, 0) for k in LIMITS},
             held_after_settle=held,
-            redis_errors=int(redis_errors),
+            redis_errors=redis_errors,
             recover_s=recover,
             failures_by_kind={k: counts[k] for k in FAILURES if counts[k]},
         )
+        result.bound, result.bound_from = bound_for(
+            fault.name, LIMITS, len(self.fleet().procs), self.args.ledger_replicas, redis_errors
+        )
+        within = all(result.over_admission[k] <= result.bound[k] for k in LIMITS)
+        result.verdict = "PASS" if within and held == 0 else "FAIL"
+        result.diagnosis = diagnose(upstream, self._admissions, LIMITS, began_wall)
+        opened = fail_open(upstream, self._admissions, began_wall)
+        if opened:
+            result.diagnosis["fail_open"] = opened
         load.paused = False
         await asyncio.sleep(self.args.between_s)
         return result
@@ -411,19 +491,25 @@ class Chaos:
 
 HEADER = (
     f"{'fault':<40} {'reqs':>6} {'failed':>6} {'429':>5} {'trunc':>5} {'unclassed':>9} "
-    f"{'over s/m/l':>10} {'redis err':>9} {'held':>5} {'recover s':>9}"
+    f"{'over s/m/l':>10} {'bound s/m/l':>11} {'redis err':>9} {'held':>5} {'recover s':>9}"
+    "  verdict"
 )
 
 
 def row(r: FaultResult) -> str:
     over = "/".join(str(r.over_admission.get(k, 0)) for k in LIMITS) if r.over_admission else "-"
+    bound = "/".join(str(r.bound.get(k, 0)) for k in LIMITS) if r.bound else "-"
     recover = "-" if r.recover_s is None else f"{r.recover_s:.2f}"
     line = (
         f"{r.fault:<40} {r.requests:>6} {r.failed:>6} {r.rejected_429:>5} {r.truncated:>5} "
-        f"{r.unclassed_at_upstream:>9} {over:>10} {r.redis_errors:>9} {r.held_after_settle:>5g} "
-        f"{recover:>9}"
+        f"{r.unclassed_at_upstream:>9} {over:>10} {bound:>11} {r.redis_errors:>9} "
+        f"{r.held_after_settle:>5g} {recover:>9}  {r.verdict or '-'}"
     )
-    return line + (f"  [{r.note}]" if r.note else "")
+    if r.note:
+        line += f"  [{r.note}]"
+    if r.diagnosis:
+        line += "\n      peak: " + explain(r.diagnosis)
+    return line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -438,6 +524,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default="", help="comma-separated fault name filters")
     parser.add_argument("--out", default="out/chaos")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--ledger-replicas",
+        type=int,
+        default=2,
+        help="redis.replicas (the local share is budget / this while Redis is unreachable)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -450,12 +542,21 @@ def run(args: argparse.Namespace) -> int:
         "command": (
             f"extproc chaos --hold-s {args.hold_s:g} --rate {args.rate:g}"
             + (f" --only {args.only}" if args.only else "")
+            + (f" --ledger-replicas {args.ledger_replicas}" if args.ledger_replicas != 2 else "")
         ),
         "limits_max_concurrent": LIMITS,
+        "ledger_replicas": args.ledger_replicas,
         "results": [asdict(r) for r in results],
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "chaos.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(f"chaos: JSON in {Path(args.out) / 'chaos.json'}")
-    # The run measures; it fails only when it could not measure (a runner error).
+    failing = [r.fault for r in results if r.verdict != "PASS"]
+    print(
+        f"chaos: {len(results) - len(failing)} of {len(results)} rows PASS"
+        + (f"; FAIL: {', '.join(failing)}" if failing else "")
+    )
+    # The exit status says whether the run could measure (no runner error); the verdicts say
+    # whether each row held its bound (a loaded machine times ledger calls out, which the
+    # bound accounts for: see chaos_bounds).
     return 1 if any(r.note for r in results) else 0

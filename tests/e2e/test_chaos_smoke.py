@@ -38,3 +38,8 @@ def test_one_short_pass_of_the_fault_schedule(tmp_path: Path) -> None:
         assert r["requests"] > 0, r
         assert r["recover_s"] is not None, r
         assert r["held_after_settle"] == 0, r
+        # Each row is held to the bound of its fault, and a class over its budget is
+        # explained by what ran at its peak (which ledger admitted it, on which cluster).
+        assert r["verdict"] in ("PASS", "FAIL") and set(r["bound"]) == set(r["over_admission"])
+        over = [k for k, v in r["over_admission"].items() if v > 0]
+        assert all(k in r["diagnosis"] for k in over), r

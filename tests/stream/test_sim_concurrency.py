@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -64,6 +65,15 @@ async def test_sequential_requests_never_overlap(sim: RunningSimCluster) -> None
     async with aiohttp.ClientSession() as http:
         for i in range(4):
             assert await _post(http, url, i, "short") == 200
+        # Each request is kept with its id and times (what `extproc chaos` diagnoses peaks
+        # with): four, one after the other.
+        async with http.get(f"{sim.url}/admin/requests", params={"since": "0"}) as resp:
+            kept = (await resp.json())["requests"]
+        assert [k[1] for k in kept] == ["short"] * 4
+        assert all(k[2] <= k[3] for k in kept)
+        assert all(a[3] <= b[2] for a, b in itertools.pairwise(kept))
+        async with http.get(f"{sim.url}/admin/requests", params={"since": "1e12"}) as resp:
+            assert (await resp.json())["requests"] == []
         async with http.get(f"{sim.url}/admin/concurrency") as resp:
             assert (await resp.json())["peak"] == {"short": 1}
         async with http.delete(f"{sim.url}/admin/concurrency") as resp:
