@@ -47,6 +47,7 @@ from extproc.reliability.chaos_bounds import (
     diagnose,
     explain,
     fail_open,
+    fail_open_allowed,
     read_admissions,
 )
 from extproc.reliability.redis_proc import RedisProc
@@ -89,7 +90,8 @@ class FaultResult:
     recover_s: float | None = None
     failures_by_kind: dict[str, int] = field(default_factory=dict)
     # The over-admission bound per class for this fault, the mechanisms it is made of, and
-    # PASS (over-admission within it, nothing held after settling) or FAIL.
+    # PASS (over-admission within it, nothing held after settling, no request fail-open
+    # unless the fault takes a processor replica away) or FAIL.
     bound: dict[str, int] = field(default_factory=dict)
     bound_from: list[str] = field(default_factory=list)
     verdict: str = ""
@@ -443,7 +445,8 @@ class Chaos:
             fault.name, LIMITS, len(self.fleet().procs), self.args.ledger_replicas, redis_errors
         )
         within = all(result.over_admission[k] <= result.bound[k] for k in LIMITS)
-        result.verdict = "PASS" if within and held == 0 else "FAIL"
+        bypassed = unclassed > 0 and not fail_open_allowed(fault.name)
+        result.verdict = "PASS" if within and held == 0 and not bypassed else "FAIL"
         result.diagnosis = diagnose(upstream, self._admissions, LIMITS, began_wall)
         opened = fail_open(upstream, self._admissions, began_wall)
         if opened:

@@ -16,6 +16,10 @@ over ``max_concurrent`` on one cluster:
   cluster's compartment (itself within ``budget + S``) are served by its sessions' secondary;
   their charge moves there at the response headers, unconditionally: ``+ budget + S``.
 
+A request that reaches an upstream with no class (Envoy went on without the processor's
+answer) bypasses every budget: allowed only while a processor replica is being taken away
+(``failure_mode: open``), a FAIL anywhere else.
+
 A config reload and a client abort storm add nothing: a reload keeps every held reservation
 where it is (the gate and its ledgers outlive runtimes) and budgets travel with each request's
 demand; an abort releases a budget only when Envoy ends the stream, which also resets the
@@ -45,6 +49,10 @@ from extproc.core.fleet import share_of
 STATE_LOST = ("redis killed", "redis restarted")
 # Rows whose fault makes Envoy serve a cluster's requests on its sessions' secondary.
 FAILOVER = ("cluster killed", "cluster erroring")
+# Rows whose fault takes a processor replica away: Envoy's ext_proc filter fails open
+# (failure_mode: open) for the streams it had sent there until it stops picking that replica.
+# Anywhere else a request reaching an upstream without a class is a bypass of the budgets.
+REPLICA_LOST = ("processor sigkill", "processor sigterm")
 # Timestamps are rounded to the millisecond in the processor's log lines.
 CLOCK_SLACK_S = 0.002
 
@@ -71,6 +79,11 @@ def bound_for(
             total += budget + local
         bound[klass] = total
     return bound, parts
+
+
+def fail_open_allowed(fault: str) -> bool:
+    """Whether requests may reach an upstream unplaced and unbudgeted during this fault."""
+    return any(k in fault.lower() for k in REPLICA_LOST)
 
 
 @dataclass

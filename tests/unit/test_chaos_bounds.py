@@ -11,6 +11,7 @@ from extproc.reliability.chaos_bounds import (
     bound_for,
     diagnose,
     fail_open,
+    fail_open_allowed,
     peak_of,
     read_admissions,
 )
@@ -118,3 +119,10 @@ def test_requests_without_a_class_are_reported_as_fail_open() -> None:
         "decided_too_late": 1,
     }
     assert fail_open({"c1": [("ok", "short", 1.0, 2.0)]}, admissions, 0.0) == {}
+
+
+def test_fail_open_is_allowed_only_while_a_replica_is_taken_away() -> None:
+    assert fail_open_allowed("processor SIGKILL")
+    assert fail_open_allowed("processor SIGTERM (rolling restart)")
+    assert not fail_open_allowed("config reload: add + remove a cluster")
+    assert not fail_open_allowed("client abort storm")
