@@ -342,6 +342,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="out/bench-layouts")
     parser.add_argument(
+        "--common-after",
+        type=int,
+        default=4,
+        help="--offline: the chain key's prefix.common_after (distinct conversations that make "
+        "a root chain common)",
+    )
+    parser.add_argument(
         "--offline",
         action="store_true",
         help="no Envoy: chain key vs opening key vs per-conversation hashing vs an approximate "
@@ -378,7 +385,11 @@ def run(args: argparse.Namespace) -> int:
     if args.offline:
         from extproc.bench.radix import offline_table
 
-        print(offline_table(layouts, config, args.clusters, args.nested_share, args.bound))
+        print(
+            offline_table(
+                layouts, config, args.clusters, args.nested_share, args.bound, args.common_after
+            )
+        )
         return 0
     setups = [name for name in args.setups.split(",") if name]
     if not setups or any(name not in SETUPS for name in setups):

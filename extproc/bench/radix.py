@@ -204,6 +204,7 @@ def compare(
     clusters: int,
     nested_share: float = 0.4,
     bound: float = 1.1,
+    common_after: int = 4,
 ) -> list[OfflineRow]:
     """The chain key, the old opening key, per-conversation hashing and the radix router on the
     same requests in arrival order. ``nested_share``: the chain key's prefix.nested_share;
@@ -211,7 +212,7 @@ def compare(
     names = [f"c{i}" for i in range(1, clusters + 1)]
     placer = Rendezvous.of([(n, 1.0) for n in names])
     rows = []
-    chain = ChainParams(clusters=clusters, nested_share=nested_share)
+    chain = ChainParams(clusters=clusters, nested_share=nested_share, common_after=common_after)
     for key in ("chain", "opening"):
         rules = KeyRules(prefix_key=key, sketch=ChainSketch(chain))
         points = []
@@ -248,6 +249,7 @@ def offline_table(
     clusters: int,
     nested_share: float = 0.4,
     bound: float = 1.1,
+    common_after: int = 4,
 ) -> str:
     lines = [
         "| layout | router | hit ÷ ideal | max/mean | later turns on first cluster |",
@@ -255,7 +257,7 @@ def offline_table(
     ]
     for layout in layouts:
         requests = generate_layout(dataclasses.replace(config, layout=layout))
-        for row in compare(requests, clusters, nested_share, bound):
+        for row in compare(requests, clusters, nested_share, bound, common_after):
             lines.append(
                 f"| {layout} | {row.router} | {row.hit_vs_ideal:.3f} | {row.max_mean:.3f} | "
                 f"{row.later_on_first:.3f} |"
