@@ -128,6 +128,16 @@ def cluster_names(count: int) -> list[str]:
     return [f"c{i}" for i in range(1, count + 1)]
 
 
+def refused_at_once(classes: list[dict[str, Any]]) -> dict[str, Any]:
+    """fleet.yaml overrides for the 429 contract before flow control (issue 20): no class
+    waits for budget and no new session is placed off its full primary, so an over-budget
+    request gets its 429 at once (``--no-wait``, to compare with the default)."""
+    return {
+        "classes": [{**c, "wait": {"max_wait_s": 0}} for c in classes],
+        "flow": {"place_new_sessions": False},
+    }
+
+
 def operator_classes(
     profile: SimProfile, bounds: ClassBounds, long_clusters: int, long_slots: int
 ) -> list[dict[str, Any]]:
@@ -353,6 +363,7 @@ def run_setup(
     workdir: Path,
     prefix_key: str = "chain",
     message_timeout_ms: int | None = None,
+    waiting: bool = True,
 ) -> SetupRun:
     started = time.monotonic()
 
@@ -366,6 +377,8 @@ def run_setup(
             overrides["engines"] = {"affinity": "round_robin"}
         if message_timeout_ms is not None:
             overrides["processor"] = {"message_timeout_ms": message_timeout_ms}
+        if not waiting:
+            overrides.update(refused_at_once(classes))
         return FleetStack(
             workdir,
             clusters=profile.clusters,
@@ -858,6 +871,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--key-split: the chain key's prefix.common_after",
     )
     parser.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="extproc answers every over-budget request with a 429 at once: no class waits for "
+        "budget and no new session is placed off its full primary (flow control's defaults off)",
+    )
+    parser.add_argument(
         "--message-timeout-ms",
         type=int,
         default=None,
@@ -988,6 +1007,7 @@ def run(args: argparse.Namespace) -> int:
             workdir,
             args.prefix_key,
             args.message_timeout_ms,
+            waiting=not args.no_wait,
         )
         write_json(runs[mode].result, out_dir / f"{workload.name}-{mode}.json")
         if envoy_mode(mode) == "extproc":

@@ -6,7 +6,9 @@ import argparse
 
 from extproc.bench import routing
 from extproc.bench.routing import key_split
+from extproc.config import compile_runtime, parse_config
 from extproc.harness import replay_cmd
+from extproc.harness.replay import ClassBounds
 from extproc.harness.workload import ReplayRequest
 
 
@@ -76,3 +78,26 @@ def test_key_split_counts_sessions_whose_requests_get_more_than_one_key() -> Non
         "(1 of the 2 without a session header)"
     )
     assert key_split(requests, "chain", 16).startswith("chain key (common_after 16): 0 of 3")
+
+
+def test_bench_routing_no_wait_gives_the_429_contract_before_flow_control() -> None:
+    """`--no-wait`: every operator class refuses at once and no new session is placed; the
+    default keeps flow control's waits (large classes 30 s) and placement."""
+    assert _parse(routing.add_arguments, ["--no-wait"]).no_wait
+    assert not _parse(routing.add_arguments, []).no_wait
+    profile = routing.SimProfile(8, 2_000_000, 20_000.0, 50.0, 64, 0.25, 64)
+    classes = routing.operator_classes(profile, ClassBounds(), 2, 2)
+    clusters = [{"name": f"c{i}", "endpoints": [f"127.0.0.1:{8000 + i}"]} for i in range(1, 9)]
+    base = {"version": 1, "clusters": clusters}
+    waiting = compile_runtime(parse_config({**base, "classes": classes}))
+    assert {c.name: c.wait.max_wait_s for c in waiting.policy.classes} == {
+        "short": 0.5,
+        "medium": 30.0,
+        "long": 30.0,
+    }
+    assert waiting.flow.place_new_sessions
+    refused = compile_runtime(parse_config({**base, **routing.refused_at_once(classes)}))
+    assert {c.wait.max_wait_s for c in refused.policy.classes} == {0.0}
+    assert not refused.flow.place_new_sessions
+    # Nothing else about the classes changes: the same pools and budgets.
+    assert [c.budget for c in refused.policy.classes] == [c.budget for c in waiting.policy.classes]
