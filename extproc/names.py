@@ -18,6 +18,9 @@ SESSION_HEADER = "x-fleet-session"
 # What Envoy's consistent hash inside each cluster reads to keep a session on one engine (route
 # mode, engines.affinity: sticky); equal on every processor replica (core/endpoints.engine_key).
 ENGINE_KEY_HEADER = "x-fleet-engine-key"
+# The Envoy cluster of every endpoint (render/envoy.py FALLBACK_CLUSTER): fail-open's, and in
+# route mode where a LoRA adapter's request goes when the processor names its engines.
+EVERY_ENDPOINT_CLUSTER = "all_clusters"
 FLEET_HEADERS = (
     ROUTE_HEADER,
     PRIMARY_HEADER,

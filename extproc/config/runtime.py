@@ -95,6 +95,9 @@ class Runtime:
     adapter_engines: Mapping[str, frozenset[str]] = field(
         default_factory=lambda: MappingProxyType({})
     )
+    # The endpoints that answered model discovery's last poll with a list: live as far as the
+    # processor knows without its prober (route mode names adapter engines among them).
+    listing_endpoints: frozenset[str] = frozenset()
     endpoint_picker: bool = False  # processor.mode, auto resolved (picks_endpoints)
     # Engine choice inside a cluster (fleet.yaml engines; extproc.core.endpoints).
     engines: EngineChoice = field(default_factory=EngineChoice)
@@ -342,6 +345,7 @@ def with_discovered_models(
             policy, models=catalog, model_placers=placers, model_classes=classes
         ),
         adapter_engines=loaded_engines(catalog, by_endpoint or {}),
+        listing_endpoints=frozenset(e for e, listed in (by_endpoint or {}).items() if listed),
     )
 
 

@@ -149,3 +149,40 @@ def pick_endpoints(
         if len(picked) == count:
             break
     return picked
+
+
+def adapter_engines(
+    point: int,
+    primary: str,
+    secondary: str | None,
+    endpoints: Mapping[str, Sequence[str]],
+    loaded: Collection[str],
+    ready: Collection[str],
+    inflight: Mapping[str, int] | None = None,
+    balance: float | None = None,
+    min_inflight: int = 1,
+) -> tuple[str, ...]:
+    """Route mode: the engines to name for a LoRA adapter's request, the host Envoy tries first
+    and the one its retry goes to. Empty when no ready engine of the primary has the adapter
+    ``loaded``: the pair aggregate and the cluster's consistent hash then decide, as for every
+    other request.
+
+    First the session's :func:`pick_engine` among the primary's ready loaded engines; then the
+    secondary's engine (its loaded ones first), the failover a pair aggregate would make, or,
+    with no ready engine there (or no secondary), the primary's next one. Two names, because
+    Envoy's override_host moves one name on per retry and falls back to its own policy (round
+    robin over every engine, whatever it serves) past the list's end."""
+    own = endpoints.get(primary, ())
+    first = pick_engine(
+        point, [e for e in own if e in loaded], ready, inflight, balance, min_inflight
+    )
+    if first is None:
+        return ()
+    then = None
+    if secondary is not None:
+        then = pick_engine(
+            point, endpoints.get(secondary, ()), ready, inflight, balance, min_inflight, loaded
+        )
+    if then is None:
+        then = pick_engine(point, [e for e in own if e != first], ready, preferred=loaded)
+    return (first,) if then is None else (first, then)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from extproc.config.runtime import Runtime
 from extproc.core.api import BadRequest
+from extproc.names import EVERY_ENDPOINT_CLUSTER
 from extproc.pipeline.outcomes import (
     ModelList,
     Outcome,
@@ -116,6 +117,14 @@ def explain_engine(runtime: Runtime, outcome: Routed) -> dict[str, object]:
         if outcome.pool is not None:
             out["pool"] = outcome.pool  # the model's own Envoy pool (x-fleet-route)
         return out
+    if outcome.engines:  # route mode, a LoRA adapter's request: its loaded engines named
+        return {
+            "chosen_by": "processor rendezvous over the adapter's loaded engines",
+            "engine": outcome.engines[0],
+            "named_engines": list(outcome.engines),
+            "x-fleet-route": EVERY_ENDPOINT_CLUSTER,  # override_host there tries them in order
+            "cluster_engines": engines,
+        }
     if outcome.engine_key is not None:
         return {
             "chosen_by": f"envoy {runtime.config.engines.envoy_policy}",

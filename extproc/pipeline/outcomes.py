@@ -111,6 +111,10 @@ class Routed:
     # The pool data path in a model-aware fleet: the model's own pool (an Envoy cluster of its
     # endpoints) that the endpoints are tried in; None: the pool of every endpoint.
     pool: str | None = None
+    # Route mode, a LoRA adapter's request: the engines to try (its loaded one in the primary,
+    # then the retry's), routed to the cluster of every endpoint, whose override_host reads
+    # them; empty: the pair aggregate and the engine key's hash decide.
+    engines: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

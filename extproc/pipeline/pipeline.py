@@ -32,7 +32,7 @@ from extproc.core.admission import Admitted, Demand, Reject, plan, request_token
 from extproc.core.affinity import Decision, Kind, Override, SessionView, place
 from extproc.core.api import Api, BadRequest, ErrorStyle, api_for_path, canonical_path
 from extproc.core.decide import Route, base_class_name
-from extproc.core.endpoints import engine_key, pick_endpoints
+from extproc.core.endpoints import adapter_engines, engine_key, pick_endpoints
 from extproc.core.facts import RequestFacts, header_facts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
 from extproc.core.flow import placement_candidates, secondary_for
@@ -363,6 +363,7 @@ class Pipeline:
                 self._endpoints(runtime, facts, route),
                 prefill,
                 self._engine_key(runtime, facts),
+                engines=self._adapter_engines(runtime, facts, route),
             )
         hold = Hold(api, headers.get("x-request-id", ""))
         if self._gate is not None:
@@ -439,10 +440,11 @@ class Pipeline:
             if runtime.response_link_ttl_s is not None and facts.api is Api.OPENAI_RESPONSES:
                 hold.link_session = facts.session
         endpoints = self._endpoints(runtime, facts, route) if runtime.endpoint_picker else None
+        named = self._adapter_engines(runtime, facts, route)
         if endpoints == ():
             self._metrics.routes.labels("no_endpoint").inc()
-        elif endpoints:
-            engine = hold.engine = endpoints[0]
+        elif endpoints or named:
+            engine = hold.engine = (endpoints or named)[0]
             self._engine_inflight[engine] = self._engine_inflight.get(engine, 0) + 1
             self._metrics.engine_requests.labels(engine).inc()
         if log.isEnabledFor(logging.DEBUG):  # per-request lines only when asked for
@@ -472,6 +474,7 @@ class Pipeline:
             prefill,
             self._engine_key(runtime, facts),
             self._model_pool(runtime, route, endpoints),
+            named,
         )
 
     def _model_pool(
@@ -489,6 +492,31 @@ class Pipeline:
         if all(owners.get(e) in pool.clusters for e in endpoints):
             return pool.name
         return None
+
+    def _adapter_engines(
+        self, runtime: Runtime, facts: RequestFacts, route: Route
+    ) -> tuple[str, ...]:
+        """Route mode with sticky engines, a LoRA adapter's request: the engines to name, its
+        loaded engine in the primary first (core.endpoints.adapter_engines); the request then
+        goes to the pool of every endpoint, whose override_host tries them in order."""
+        if runtime.endpoint_picker or not runtime.engines.sticky or not route.model:
+            return ()
+        loaded = runtime.adapter_engines.get(route.model)
+        if not loaded:
+            return ()
+        health = self._endpoint_health
+        engines = runtime.engines
+        return adapter_engines(
+            facts.session.point,
+            route.placement.primary,
+            route.placement.secondary,
+            runtime.endpoints,
+            loaded,
+            health.ready if health is not None else runtime.listing_endpoints,
+            self._engine_inflight,
+            engines.balance,
+            engines.min_inflight,
+        )
 
     @staticmethod
     def _engine_key(runtime: Runtime, facts: RequestFacts) -> str | None:

@@ -21,6 +21,7 @@ from extproc.core.ratelimit_headers import rate_limit_headers
 from extproc.names import (
     CLASS_HEADER,
     ENGINE_KEY_HEADER,
+    EVERY_ENDPOINT_CLUSTER,
     IMMEDIATE_DETAILS_PREFIX,
     PREFILL_MIRROR_HEADER,
     PREFILLER_HEADER,
@@ -217,8 +218,16 @@ class RouteAnswers:
         engine_key: str | None = None,
         skip_body: processing_mode_pb2.ProcessingMode | None = None,
         mirror: tuple[str, bytes] | None = None,
+        engines: Sequence[str] = (),
     ) -> ep.ProcessingResponse:
         """Set routing headers and make Envoy re-pick the route.
+
+        ``engines`` (route mode, a LoRA adapter's request): the engines to try in order, in the
+        picker's ``envoy.lb`` metadata (:func:`_name_hosts`), and the route to the cluster of
+        every endpoint, whose override_host policy reads them. Not the pair aggregate: on
+        Envoy 1.40 the aggregate hands its member cluster a load-balancer context without the
+        request's stream info, where override_host finds the names, so the member's hash
+        chose (observed: sessions named to one engine were served by both of the cluster's).
 
         clear_route_cache is what makes the router re-evaluate `cluster_header: x-fleet-route`;
         it only works because the header phase was SENT (with SKIP, routing is already final).
@@ -231,7 +240,7 @@ class RouteAnswers:
         sets = common.header_mutation.set_headers
         sets.extend(
             (
-                self._entry(ROUTE_HEADER, placement.route),
+                self._entry(ROUTE_HEADER, EVERY_ENDPOINT_CLUSTER if engines else placement.route),
                 self._entry(PRIMARY_HEADER, placement.primary),
                 self._entry(SECONDARY_HEADER, placement.secondary or placement.primary),
                 self._entry(CLASS_HEADER, route.request_class.name),
@@ -250,6 +259,8 @@ class RouteAnswers:
             sets.append(self._entry(PREFILLER_HEADER, prefiller))
         if mirror is not None:
             _mirror_to_prefill(common, mirror)
+        if engines:
+            _name_hosts(answer, engines)
         return answer
 
 
@@ -302,10 +313,15 @@ def endpoint_response(
         _add(sets, PREFILLER_HEADER, prefiller)
     if mirror is not None:
         _mirror_to_prefill(common, mirror)
-    metadata = struct_pb2.Struct()
-    metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: value}})
-    answer.dynamic_metadata.CopyFrom(metadata)
+    _name_hosts(answer, endpoints)
     return answer
+
+
+def _name_hosts(answer: ep.ProcessingResponse, hosts: Sequence[str]) -> None:
+    """The hosts Envoy's override_host policy tries, in order (one more on each retry)."""
+    metadata = struct_pb2.Struct()
+    metadata.update({LB_NAMESPACE: {DESTINATION_HEADER: ",".join(hosts)}})
+    answer.dynamic_metadata.CopyFrom(metadata)
 
 
 def immediate(

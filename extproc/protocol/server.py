@@ -321,6 +321,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     outcome.engine_key,
                     skip_body,
                     mirror,
+                    outcome.engines,
                 )
             if not outcome.endpoints:
                 return responses.error_response(

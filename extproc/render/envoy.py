@@ -31,6 +31,7 @@ from extproc.core.models import MODEL_POOL_PREFIX
 from extproc.names import (
     BUFFER_HEADROOM,
     ENGINE_KEY_HEADER,
+    EVERY_ENDPOINT_CLUSTER,
     FLEET_HEADERS,
     PD_HEADERS,
     ROUTE_HEADER,
@@ -43,7 +44,7 @@ from extproc.render.local_reply import local_reply_config
 Mode = Literal["extproc", "round_robin", "ring_hash"]
 MODES: tuple[Mode, ...] = ("extproc", "round_robin", "ring_hash")
 
-FALLBACK_CLUSTER = "all_clusters"
+FALLBACK_CLUSTER = EVERY_ENDPOINT_CLUSTER
 EXTPROC_CLUSTER = "extproc"
 # Retry conditions under which no generation can have started (see _retry_conditions).
 RETRY_ON = ("connect-failure", "refused-stream", "reset-before-request", "retriable-status-codes")
@@ -277,6 +278,7 @@ def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
         # (auto keeps the header route too, so a reload that crosses the crossover changes
         # only the CDS clusters, never the listener.)
         return [*pools, fallback]
+    adapters = [_named_engines_route(runtime, timers)] if _names_adapter_engines(runtime) else []
     by_header = {
         "match": {"prefix": "/", "headers": [{"name": ROUTE_HEADER, "present_match": True}]},
         "route": {
@@ -287,7 +289,34 @@ def _routes(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
             **prefill_mirror_policies(runtime),
         },
     }
-    return [*pools, by_header, fallback]
+    return [*pools, *adapters, by_header, fallback]
+
+
+def _names_adapter_engines(runtime: Runtime) -> bool:
+    """Route mode (or auto, which may be) with sticky engines: the processor may name a LoRA
+    adapter's engines (its loaded ones), sending the request to the cluster of every endpoint,
+    where override_host tries them in order (protocol/responses.py RouteAnswers.route says why
+    not the pair aggregate)."""
+    sticky = runtime.config.engines.affinity == "sticky"
+    return sticky and runtime.config.processor.mode != "endpoint_picker"
+
+
+def _named_engines_route(runtime: Runtime, timers: Json) -> Json:
+    """x-fleet-route naming the cluster of every endpoint (an adapter's request with its engines
+    named): the fallback route's retry policy, the next named host (the pairs' would leave a
+    one-priority cluster no host on the retry, as for _model_pool_route)."""
+    return {
+        "match": {
+            "prefix": "/",
+            "headers": [{"name": ROUTE_HEADER, "string_match": {"exact": FALLBACK_CLUSTER}}],
+        },
+        "route": {
+            "cluster": FALLBACK_CLUSTER,
+            **timers,
+            "retry_policy": _fallback_retry_policy(runtime),
+            **prefill_mirror_policies(runtime),
+        },
+    }
 
 
 def _model_pool_route(runtime: Runtime, timers: Json) -> Json:
@@ -505,8 +534,9 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
         # The processor's request-headers answer turns response phases on per inference
         # request, and the header path turns the request body off (request_body_mode NONE).
         extra["allow_mode_override"] = True
-    if _may_pick_endpoints(runtime):
-        # Without this Envoy silently drops the envoy.lb metadata the picker returns.
+    if _may_pick_endpoints(runtime) or _names_adapter_engines(runtime):
+        # Without this Envoy silently drops the envoy.lb metadata the picker returns (route
+        # mode: the engines named for a LoRA adapter's request).
         extra["metadata_options"] = {"receiving_namespaces": {"untyped": ["envoy.lb"]}}
     extra.update(_wait_timer(runtime))
     return {
@@ -728,8 +758,10 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
         lb_endpoints = fallback["load_assignment"]["endpoints"][0]["lb_endpoints"]
         for lb_endpoint, key in zip(lb_endpoints, keys, strict=True):
             lb_endpoint["metadata"]["filter_metadata"]["envoy.lb"] = {"hash_key": key}
-    if opts.mode == "extproc" and _may_pick_endpoints(runtime):
-        # auto below the crossover: the fallback is the pool a reload may start using.
+    if opts.mode == "extproc" and (_may_pick_endpoints(runtime) or _names_adapter_engines(runtime)):
+        # auto below the crossover: the fallback is the pool a reload may start using. Route
+        # mode: where an adapter's named engines are tried (round robin without names, as
+        # before, for fail-open).
         del fallback["lb_policy"]
         fallback["load_balancing_policy"] = _override_host_policy()
     out.append(fallback)

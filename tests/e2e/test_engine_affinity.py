@@ -314,17 +314,22 @@ def test_picker_mode_sessions_stick_and_an_engine_down_moves_each_to_one_engine(
     assert len(set(now.values())) == 2, collections.Counter(now.values())
 
 
-@pytest.fixture
-def lora_picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+@pytest.fixture(params=["endpoint_picker", "route"])
+def lora_fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FleetStack]:
     # Two clusters of two engines serving "m"; "sql-lora" is a declared adapter of "m" that
-    # no engine has loaded at start. Model discovery reads every engine's /v1/models.
+    # no engine has loaded at start. Model discovery reads every engine's /v1/models. In route
+    # mode the processor names the adapter's engines to each pair cluster's override_host
+    # (Maglev on the engine key for every other request); in endpoint-picker mode it names
+    # every request's engine.
     stack = FleetStack(
-        tmp_path_factory.mktemp("lora"),
+        tmp_path_factory.mktemp(f"lora-{request.param}"),
         clusters=2,
         engines=2,
         cluster_models={"c1": ["m"], "c2": ["m"]},
         fleet_overrides={
-            "processor": {"mode": "endpoint_picker"},
+            "processor": {"mode": request.param},
             "models": [{"name": "sql-lora", "base": "m"}],
             "model_routing": {"discovery": True, "discovery_interval_s": 0.5},
         },
@@ -334,18 +339,22 @@ def lora_picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack
         yield stack
 
 
-def test_picker_sends_an_adapters_sessions_to_the_engine_it_is_loaded_on(
-    lora_picker: FleetStack, make_client: MakeClient
-) -> None:
-    stack = lora_picker
-    client = make_client(stack.listener_port)
-    # c2's second engine loads the adapter (its model list now names it, as vLLM's does).
-    loaded = "c2-e2"
-    spec = stack.sim_specs[loaded]
-    stack.sim_specs[loaded] = SimSpec(
-        loaded, spec.port, (*spec.args[:-1], "m,sql-lora"), cluster=spec.cluster
+def _load_adapter(stack: FleetStack, engine: str) -> None:
+    """``engine`` loads sql-lora: its model list names it from now on, as vLLM's does."""
+    spec = stack.sim_specs[engine]
+    stack.sim_specs[engine] = SimSpec(
+        engine, spec.port, (*spec.args[:-1], "m,sql-lora"), cluster=spec.cluster
     )
-    stack.restart_sim(loaded)
+    stack.restart_sim(engine)
+
+
+def test_an_adapters_sessions_go_to_the_engines_it_is_loaded_on_and_fail_over(
+    lora_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    stack = lora_fleet
+    client = make_client(stack.listener_port)
+    loaded = "c2-e2"
+    _load_adapter(stack, loaded)
 
     def lora(sid: str) -> tuple[int, str]:
         doc = {"model": "sql-lora", "messages": [{"role": "user", "content": sid}], "max_tokens": 2}
@@ -361,8 +370,34 @@ def test_picker_sends_an_adapters_sessions_to_the_engine_it_is_loaded_on(
     )
     # Every session of the adapter, turn after turn, on the engine it is loaded on; the base
     # model's sessions still spread over all four engines.
+    sids = [f"l-{i}" for i in range(20)]
     for _turn in range(2):
-        for i in range(20):
-            assert lora(f"l-{i}") == (200, loaded)
+        for sid in sids:
+            assert lora(sid) == (200, loaded)
     base = collections.Counter(_send(stack, client, f"b-{i}")[1] for i in range(40))
     assert len(base) == 4, base
+
+    # c1's first engine loads it too: the adapter's sessions spread over its two loaded
+    # engines (the clusters' rendezvous), each session on one of them turn after turn.
+    _load_adapter(stack, "c1-e1")
+    both = {loaded, "c1-e1"}
+
+    def spread() -> bool:
+        return {lora(sid)[1] for sid in sids} == both
+
+    wait_until(spread, 30, f"discovery of the adapter on c1-e1:\n{dump_logs(stack)}", 0.3)
+    engine_of = {sid: lora(sid)[1] for sid in sids}
+    assert all(lora(sid) == (200, engine_of[sid]) for sid in sids), engine_of
+    # Its engine in c2 killed under sequential traffic: Envoy tries the named c2-e2, the
+    # connection is refused, and the retry goes to the session's secondary (c1) and the engine
+    # named for it there, c1-e1 (an engine without the adapter would answer 404): no request
+    # fails, before or after discovery drops the dead engine.
+    stack.sims[loaded].kill()
+    served: collections.Counter[str] = collections.Counter()
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline:
+        for sid in sids:
+            status, engine = lora(sid)
+            assert status == 200, (sid, status, dump_logs(stack))
+            served[engine] += 1
+    assert set(served) == {"c1-e1"}, served

@@ -4,6 +4,7 @@ it back on release; route mode sends the engine key; explain names the engine.""
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any
 
 import orjson
@@ -16,6 +17,7 @@ from extproc.metrics import Metrics
 from extproc.pipeline.explain import explain_outcome
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
+from extproc.protocol.responses import RouteAnswers
 
 CHAT = "/v1/chat/completions"
 ENGINES = 4
@@ -189,3 +191,84 @@ async def test_picker_prefers_the_engines_an_adapter_is_loaded_on() -> None:
     assert firsts == {loaded_on: 40}, firsts
     # The base model's requests are not drawn to it: they spread over all eight engines.
     assert len(base_firsts) > 4, base_firsts
+
+
+def _lora_runtime(mode: str, loaded_on: dict[str, str]) -> Any:
+    """Two clusters serving "m"; discovery found the adapter "sql-lora" on the engines
+    ``loaded_on`` names (cluster -> engine)."""
+    data = {
+        **doc(mode),
+        "models": [{"name": "sql-lora", "base": "m"}],
+        "model_routing": {"discovery": True},
+    }
+    for cluster in data["clusters"]:
+        cluster["models"] = ["m"]
+    runtime = compile_runtime(parse_config(data))
+    listed = {e: frozenset({("m", None)}) for c in runtime.endpoints.values() for e in c}
+    clusters = {c: frozenset({("m", None)}) for c in runtime.endpoints}
+    for cluster, engine in loaded_on.items():
+        listed[engine] = frozenset({("m", None), ("sql-lora", "m")})
+        clusters[cluster] = frozenset({("m", None), ("sql-lora", "m")})
+    return with_discovered_models(runtime, clusters, listed)
+
+
+async def test_route_mode_names_an_adapters_loaded_engines_and_hashes_everything_else() -> None:
+    loaded = {"c1": "10.0.1.2:8000", "c2": "10.0.2.3:8000"}
+    runtime = _lora_runtime("route", loaded)
+    registry = CollectorRegistry()
+    pipeline = Pipeline(RuntimeHolder(runtime), Metrics(registry))
+    lora = orjson.dumps({"model": "sql-lora", "messages": [{"role": "user", "content": "q"}]})
+    answers = RouteAnswers()
+    held: list[Routed] = []
+    for i in range(40):
+        outcome = await pipeline.decide(headers(f"s-{i}"), lora, 1.0)
+        assert isinstance(outcome, Routed) and outcome.endpoints is None
+        placement = outcome.route.placement
+        # The primary's loaded engine, then one of the secondary's (the retry's host: its loaded
+        # one until the held requests fill it, core.endpoints.adapter_engines).
+        assert outcome.engines[0] == loaded[placement.primary]
+        assert outcome.engines[1] in runtime.endpoints[placement.secondary or ""]
+        assert outcome.engine_key is not None  # the hash still has its key (fail-open)
+        # The answer routes to the cluster of every endpoint with the names in envoy.lb.
+        answer = answers.route(outcome.route, outcome.facts, engines=outcome.engines)
+        mutation = answer.request_body.response.header_mutation
+        sets = {h.header.key: h.header.raw_value for h in mutation.set_headers}
+        assert sets["x-fleet-route"] == b"all_clusters"
+        assert sets["x-fleet-primary"] == placement.primary.encode()
+        lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value
+        assert lb.fields["x-gateway-destination-endpoint"].string_value == ",".join(outcome.engines)
+        assert explain_outcome(runtime, outcome)["engine"]["engine"] == outcome.engines[0]
+        held.append(outcome)
+        # The base model: nothing named, the pair and its hash on the engine key, as before.
+        base = await pipeline.decide(headers(f"s-{i}"), BODY, 1.0)
+        assert isinstance(base, Routed) and base.engines == () and base.engine_key is not None
+        plain = answers.route(base.route, base.facts, engine_key=base.engine_key)
+        assert not plain.HasField("dynamic_metadata")
+        await pipeline.release(base.hold)
+    # Every adapter request counted on its named engine (bounded load), given back on release.
+    counts = collections.Counter(o.engines[0] for o in held)
+    assert set(counts) <= set(loaded.values()) and sum(counts.values()) == 40
+    assert dict(pipeline._engine_inflight) == counts
+    for outcome in held:
+        await pipeline.release(outcome.hold)
+    assert pipeline._engine_inflight == {}
+    # Nothing held: the secondary's loaded engine is the retry's host.
+    for i in range(20):
+        outcome = await pipeline.decide(headers(f"s-{i}"), lora, 1.0)
+        assert isinstance(outcome, Routed)
+        placement = outcome.route.placement
+        assert outcome.engines == (loaded[placement.primary], loaded[placement.secondary or ""])
+        await pipeline.release(outcome.hold)
+    # An engine that stopped answering discovery is not named (and none other is in c1).
+    gone = dataclasses.replace(
+        runtime, listing_endpoints=runtime.listing_endpoints - {loaded["c1"]}
+    )
+    pipeline = Pipeline(RuntimeHolder(gone), Metrics(CollectorRegistry()))
+    for i in range(20):
+        outcome = await pipeline.decide(headers(f"s-{i}"), lora, 1.0)
+        assert isinstance(outcome, Routed)
+        named = outcome.engines
+        if outcome.route.placement.primary == "c1":
+            assert named == ()
+        else:
+            assert named[0] == loaded["c2"] and named[1] != loaded["c1"]

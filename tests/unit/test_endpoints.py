@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from extproc.core.endpoints import (
+    adapter_engines,
     endpoint_order,
     engine_cap,
     pick_endpoints,
@@ -197,3 +198,33 @@ def test_an_engine_signal_never_takes_a_session_out_of_its_cluster() -> None:
     for point in points()[:200]:
         picked = pick_endpoints(point, ["c1", "c2"], eps, ready, 2, loads, 1.25, 4)
         assert picked[0] in eps["c1"] and picked[1] in eps["c2"]
+
+
+def test_route_mode_names_an_adapters_loaded_engine_then_the_failovers() -> None:
+    eps = {"c1": engines(3, "c1"), "c2": engines(3, "c2")}
+    ready = frozenset(e for es in eps.values() for e in es)
+    loaded = frozenset({eps["c1"][1], eps["c1"][2], eps["c2"][0]})
+    for point in points()[:300]:
+        named = adapter_engines(point, "c1", "c2", eps, loaded, ready, {}, 1.25, 4)
+        # The primary's loaded engine first (the session's own among the two), then the
+        # secondary's, its loaded one first: the retry's host.
+        mine = next(e for e in endpoint_order(point, eps["c1"]) if e in loaded)
+        assert named == (mine, eps["c2"][0]), (point, named)
+        assert adapter_engines(point, "c1", "c2", eps, loaded, ready, {}, 1.25, 4) == named
+    point = points()[3]
+    # No loaded engine ready in the primary: nothing named (the pair and the hash decide),
+    # even though the secondary has one.
+    assert adapter_engines(point, "c1", "c2", eps, loaded, ready - loaded, {}, 1.25, 4) == ()
+    assert adapter_engines(point, "c2", "c1", eps, frozenset(eps["c1"]), ready) == ()
+    # No secondary, or none of its engines ready: the primary's next engine is the retry's.
+    alone = adapter_engines(point, "c1", None, eps, loaded, ready)
+    assert alone[0] in loaded and alone[1] in loaded and alone[0] != alone[1]
+    down = ready - set(eps["c2"])
+    assert adapter_engines(point, "c1", "c2", eps, loaded, down)[1] in eps["c1"]
+    # Only one engine in all: one name.
+    assert adapter_engines(point, "c1", None, eps, loaded, {eps["c1"][1]}) == (eps["c1"][1],)
+    # Bounded load among the primary's loaded engines: the session's own full, the other one.
+    first = adapter_engines(point, "c1", "c2", eps, loaded, ready)[0]
+    other = next(e for e in loaded if e in eps["c1"] and e != first)
+    full = {first: 10}
+    assert adapter_engines(point, "c1", "c2", eps, loaded, ready, full, 1.25, 4)[0] == other

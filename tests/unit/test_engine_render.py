@@ -48,14 +48,53 @@ def test_sticky_engines_hash_each_cluster_on_the_engine_key(tmp_path: Path) -> N
         assert balance["hash_balance_factor"] == 125
         policy = cluster["load_assignment"]["policy"]
         assert policy["overprovisioning_factor"] >= 100 * 1000
-    # The aggregates and the fallback (processor down: nothing to hash on) are not hashed.
-    assert by_name["all_clusters"]["lb_policy"] == "ROUND_ROBIN"
+    # The aggregates and the fallback (processor down: nothing to hash on) are not hashed. The
+    # fallback balances round robin when no engine is named (since issue 23 as override_host's
+    # fallback policy, for an adapter's named engines; test below).
+    fallback_lb = by_name["all_clusters"]["load_balancing_policy"]["policies"][0]
+    override = fallback_lb["typed_extension_config"]["typed_config"]
+    rr = override["fallback_policy"]["policies"][0]["typed_extension_config"]["name"]
+    assert rr == "envoy.load_balancing_policies.round_robin"
     assert by_name["c0__c1"]["lb_policy"] == "CLUSTER_PROVIDED"
-    by_header, fallback = routes(config)
+    _named, by_header, fallback = routes(config)
     assert by_header["route"]["hash_policy"] == [{"header": {"header_name": ENGINE_KEY_HEADER}}]
     assert "hash_policy" not in fallback["route"]
     assert ENGINE_KEY_HEADER in FLEET_HEADERS  # internal_only: a client cannot pick its engine
     validate(config, tmp_path)
+
+
+def test_route_mode_routes_named_adapter_engines_to_the_cluster_of_every_endpoint(
+    tmp_path: Path,
+) -> None:
+    # Issue 23: a LoRA adapter's request with its engines named goes to all_clusters, whose
+    # override_host tries them in order (the pair aggregates do not pass the names on); the
+    # pairs and their Maglev are unchanged for every other request.
+    config = render_bootstrap(runtime(), EnvoyOptions(mode="extproc"))
+    named, by_header, _fallback = routes(config)
+    assert named["match"]["headers"] == [
+        {"name": "x-fleet-route", "string_match": {"exact": "all_clusters"}}
+    ]
+    assert named["route"]["cluster"] == "all_clusters"
+    retry = named["route"]["retry_policy"]
+    assert "retry_priority" not in retry and retry["num_retries"] == 1
+    assert by_header["route"]["cluster_header"] == "x-fleet-route"
+    every = clusters(config)["all_clusters"]
+    assert "lb_policy" not in every
+    (policy,) = every["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]
+    assert override["name"] == "envoy.load_balancing_policies.override_host"
+    fallback_policy = override["typed_config"]["fallback_policy"]["policies"][0]
+    assert fallback_policy["typed_extension_config"]["name"].endswith(".round_robin")
+    assert clusters(config)["c0"]["lb_policy"] == "MAGLEV"
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    (ext_proc,) = [f for f in hcm["typed_config"]["http_filters"] if "ext_proc" in f["name"]]
+    namespaces = ext_proc["typed_config"]["metadata_options"]["receiving_namespaces"]
+    assert namespaces == {"untyped": ["envoy.lb"]}
+    validate(config, tmp_path)
+    # Engines not sticky: nothing is named, nothing changes.
+    spread = render_bootstrap(runtime({"affinity": "round_robin"}), EnvoyOptions(mode="extproc"))
+    assert len(routes(spread)) == 2
+    assert clusters(spread)["all_clusters"]["lb_policy"] == "ROUND_ROBIN"
 
 
 def test_balance_factor_off_and_round_robin_render_as_said(tmp_path: Path) -> None:
