@@ -164,7 +164,11 @@ def test_every_fleet_header_is_internal_only(rendered: dict[str, Any]) -> None:
 
 
 def test_routes_by_cluster_header_then_falls_back(rendered: dict[str, Any]) -> None:
-    first, last = _routes(rendered)
+    # Since issue 23 (route mode, sticky engines) a route for x-fleet-route == all_clusters
+    # comes before the header route: a LoRA adapter's request with its engines named
+    # (tests/unit/test_engine_render.py checks it).
+    named, first, last = _routes(rendered)
+    assert named["match"]["headers"][0]["string_match"] == {"exact": FALLBACK_CLUSTER}
     # The header route must come first and match only when the processor set the header.
     assert first["route"]["cluster_header"] == ROUTE_HEADER
     assert first["match"]["headers"] == [{"name": ROUTE_HEADER, "present_match": True}]
