@@ -346,6 +346,9 @@ def _load_adapter(stack: FleetStack, engine: str) -> None:
         engine, spec.port, (*spec.args[:-1], "m,sql-lora"), cluster=spec.cluster
     )
     stack.restart_sim(engine)
+    # Back in Envoy's health checks, or the pair's Maglev (every other request) leaves it out
+    # for a while (seen at load 20: no base-model session on it).
+    stack.wait_healthy([engine])
 
 
 def test_an_adapters_sessions_go_to_the_engines_it_is_loaded_on_and_fail_over(
