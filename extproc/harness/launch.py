@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from extproc.config import load_runtime
+from extproc.core.models import MODEL_POOL_PREFIX
 from extproc.render.envoy import EnvoyOptions, Mode, render_bootstrap
 from extproc.render.envoy_dynamic import split_bootstrap, write_atomically, write_cds
 from extproc.render.envoy_xds import xds_bootstrap
@@ -533,7 +534,13 @@ class FleetStack:
 
         def check() -> bool:
             h = self.host_health()
-            mine = [ok for (_cluster, addr), ok in h.items() if addrs.get(addr) is not None]
+            # A model's pool has no active checks (render/envoy.py _model_pools): Envoy lists
+            # its hosts healthy whatever they are.
+            mine = [
+                ok
+                for (cluster, addr), ok in h.items()
+                if addrs.get(addr) is not None and not cluster.startswith(MODEL_POOL_PREFIX)
+            ]
             # Its own Envoy cluster + the fallback cluster; the pool design has only the pool,
             # which holds no prefill-only cluster.
             expected = sum((per_host - 1 if a in prefill else per_host) for a in addrs)

@@ -340,12 +340,19 @@ def _model_pool_route(runtime: Runtime, timers: Json) -> Json:
 
 def _model_pools(runtime: Runtime, pool: Json) -> list[Json]:
     """The pool data path in a model-aware fleet: one more pool per base model, the same
-    cluster as the pool of every endpoint (override_host, health checks, per-endpoint stats)
-    with only the localities of the clusters serving the model. The processor routes a
+    cluster as the pool of every endpoint (override_host, outlier detection, per-endpoint
+    stats) with only the localities of the clusters serving the model. The processor routes a
     request to its model's pool, so a host choice that falls back (no picked host usable)
     stays among engines that serve the model, and Envoy's stats count each model apart. The
-    pool of every endpoint stays for fail-open. An endpoint serving k models is health-checked
-    by k + 1 clusters."""
+    pool of every endpoint stays for fail-open.
+
+    No active health checks here: Envoy runs a cluster's checks for that cluster alone, so an
+    endpoint serving k models was checked k + 1 times per interval, on the main thread that
+    also applies updates (POOL_HEALTH_CHECK_INTERVAL_S). They would decide nothing: a request
+    reaches a model's pool only with its hosts named, override_host takes a named host whatever
+    its health (a dead one is retried on the next name), and the processor names only
+    endpoints its own prober finds ready. The pool of every endpoint keeps its checks (fail-open
+    balances over its healthy hosts). Outlier detection stays: passive, it costs no probe."""
     out: list[Json] = []
     seen: set[str] = set()
     for model_pool in runtime.model_pools.values():
@@ -354,6 +361,7 @@ def _model_pools(runtime: Runtime, pool: Json) -> list[Json]:
         seen.add(model_pool.name)
         cluster = copy.deepcopy(pool)
         cluster["name"] = model_pool.name
+        del cluster["health_checks"]
         assignment = cluster["load_assignment"]
         assignment["cluster_name"] = model_pool.name
         assignment["endpoints"] = [

@@ -10,7 +10,11 @@ The pool data path (one cluster holding every endpoint) takes its endpoints by E
 second file beside the CDS file (``endpoints_path``, JSON): a fleet change then rewrites only the
 pool's endpoint list, and the pool cluster itself stays as it is. Replacing the cluster by CDS
 instead re-creates it with every host, their health-check sessions and connection pools; at
-512 x 8 that was the bulk of a one-cluster reload (BENCHMARKS.md "Scale"). EDS carries IP
+512 x 8 that was the bulk of a one-cluster reload (BENCHMARKS.md "Scale"). A model-aware fleet's
+per-model pools (render/envoy.py _model_pools) take theirs the same way, one file each: Envoy's
+EDS takes exactly one ClusterLoadAssignment per update of a cluster's subscription, and a file
+subscription hands the cluster every resource in the file ("Unexpected EDS resource length").
+(Over gRPC, Envoy hands each cluster only the assignment it subscribed to.) EDS carries IP
 addresses only, so a pool with host names (STRICT_DNS) keeps its endpoints inline.
 """
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,6 +30,7 @@ import orjson
 import yaml
 
 from extproc.config.runtime import Runtime
+from extproc.core.models import MODEL_POOL_PREFIX
 from extproc.render.envoy import EXTPROC_CLUSTER, FALLBACK_CLUSTER, EnvoyOptions, render_bootstrap
 
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
@@ -36,12 +42,15 @@ PoolEndpoints = Literal["file", "grpc", "inline"]
 Json = dict[str, Any]
 
 
-def endpoints_path(cds_path: str | Path) -> Path:
-    """The pool's EDS file, beside the CDS file. JSON whatever the CDS file's format (Envoy
-    reads a file by its extension): PyYAML's emitter took 2 s of CPU for the 4,096 endpoints of
-    512 x 8, on the processor's event loop at every reload; orjson takes 3 ms."""
+def endpoints_path(cds_path: str | Path, cluster: str = FALLBACK_CLUSTER) -> Path:
+    """A pool's EDS file, beside the CDS file (the pool of every endpoint:
+    ``<cds>.endpoints.json``; a model's pool: ``<cds>.endpoints.<pool>.json``). JSON whatever the
+    CDS file's format (Envoy reads a file by its extension): PyYAML's emitter took 2 s of CPU
+    for the 4,096 endpoints of 512 x 8, on the processor's event loop at every reload; orjson
+    takes 3 ms."""
     path = Path(cds_path).resolve()
-    return path.with_name(f"{path.stem}.endpoints.json")
+    own = "" if cluster == FALLBACK_CLUSTER else f".{cluster}"
+    return path.with_name(f"{path.stem}.endpoints{own}.json")
 
 
 def processor_source() -> Json:
@@ -58,31 +67,33 @@ def processor_source() -> Json:
     }
 
 
-def _eds_source(source: PoolEndpoints, cds_path: str) -> Json:
+def _eds_source(source: PoolEndpoints, cds_path: str, cluster: str) -> Json:
     if source == "file":
         return {
             "resource_api_version": "V3",
-            "path_config_source": {"path": str(endpoints_path(cds_path))},
+            "path_config_source": {"path": str(endpoints_path(cds_path, cluster))},
         }
     return processor_source()
 
 
 def _is_eds_pool(runtime: Runtime, cluster: Json) -> bool:
-    return (
-        runtime.endpoint_picker
-        and cluster["name"] == FALLBACK_CLUSTER
-        and cluster.get("type") == "STATIC"
-    )
+    """The pool of every endpoint or a model's pool, of IP addresses (STATIC)."""
+    name = cluster["name"]
+    pool = name == FALLBACK_CLUSTER or name.startswith(MODEL_POOL_PREFIX)
+    return runtime.endpoint_picker and pool and cluster.get("type") == "STATIC"
 
 
-def pool_to_eds(runtime: Runtime, clusters: list[Json], source: Json) -> list[Json]:
-    """Move the pool's endpoints out of its cluster (in place): its ClusterLoadAssignments."""
+def pool_to_eds(
+    runtime: Runtime, clusters: list[Json], source: Callable[[str], Json]
+) -> list[Json]:
+    """Move the pools' endpoints out of their clusters (in place): their ClusterLoadAssignments;
+    ``source``: a cluster's EDS config source, by its name."""
     assignments = []
     for cluster in clusters:
         if _is_eds_pool(runtime, cluster):
             assignments.append(cluster.pop("load_assignment"))
             cluster["type"] = "EDS"
-            cluster["eds_cluster_config"] = {"eds_config": source}
+            cluster["eds_cluster_config"] = {"eds_config": source(cluster["name"])}
     return assignments
 
 
@@ -113,7 +124,7 @@ def split_bootstrap(
     # Envoy needs a node identity when it reads dynamic resources.
     full["node"] = {"id": "fleet-extproc", "cluster": "fleet-extproc"}
     if pool != "inline":
-        pool_to_eds(runtime, dynamic, _eds_source(pool, cds_path))
+        pool_to_eds(runtime, dynamic, lambda name: _eds_source(pool, cds_path, name))
     cds = {
         "version_info": runtime.version,
         "resources": [{"@type": CLUSTER_TYPE, **c} for c in dynamic],
@@ -122,25 +133,29 @@ def split_bootstrap(
 
 
 def pool_endpoints(runtime: Runtime, opts: EnvoyOptions | None = None) -> list[Json]:
-    """The pool's ClusterLoadAssignments as EDS serves them (none in the pairs design, or for a
-    pool of host names, which keeps them inline)."""
+    """The pools' ClusterLoadAssignments as EDS serves them (none in the pairs design, or for
+    pools of host names, which keep them inline)."""
     clusters = render_bootstrap(runtime, opts)["static_resources"]["clusters"]
-    return pool_to_eds(runtime, clusters, {})
+    return pool_to_eds(runtime, clusters, lambda _name: {})
 
 
 def union_endpoints(old: Runtime, new: Runtime, opts: EnvoyOptions | None = None) -> list[Json]:
-    """The pool's endpoints of both configs: every locality (fleet cluster) of the new one, and
-    the old one's that the new one dropped (they go with the final write, after the switch)."""
+    """The pools' endpoints of both configs: in each pool of the new one, every locality (fleet
+    cluster) of the new one and those of the old one that the new one dropped (they go with the
+    final write, after the switch); a pool only the old one has, as it was."""
     fresh = pool_endpoints(new, opts)
     if not fresh:
         return fresh
-    localities = {loc["locality"]["sub_zone"] for cla in fresh for loc in cla["endpoints"]}
+    names = {cla["cluster_name"] for cla in fresh}
     for cla in pool_endpoints(old, opts):
-        for target in fresh:
-            if target["cluster_name"] == cla["cluster_name"]:
-                target["endpoints"] += [
-                    loc for loc in cla["endpoints"] if loc["locality"]["sub_zone"] not in localities
-                ]
+        if cla["cluster_name"] not in names:
+            fresh.append(cla)
+            continue
+        target = next(t for t in fresh if t["cluster_name"] == cla["cluster_name"])
+        localities = {loc["locality"]["sub_zone"] for loc in target["endpoints"]}
+        target["endpoints"] += [
+            loc for loc in cla["endpoints"] if loc["locality"]["sub_zone"] not in localities
+        ]
     return fresh
 
 
@@ -165,10 +180,13 @@ def write_atomically(path: str | Path, text: str) -> None:
 
 
 def _write_endpoints(cds_path: str, version: str, assignments: list[Json]) -> None:
-    """The EDS file goes first: a pool cluster the CDS file creates finds its endpoints."""
-    if assignments:
-        doc = endpoints_doc(version, assignments)
-        write_atomically(endpoints_path(cds_path), orjson.dumps(doc).decode())
+    """The EDS files go first: a pool cluster the CDS file creates finds its endpoints. One
+    file per pool (module docstring). A file of a pool the fleet no longer has stays behind,
+    read by no cluster."""
+    for assignment in assignments:
+        doc = endpoints_doc(version, [assignment])
+        path = endpoints_path(cds_path, assignment["cluster_name"])
+        write_atomically(path, orjson.dumps(doc).decode())
 
 
 def write_cds(runtime: Runtime, cds_path: str, opts: EnvoyOptions | None = None) -> None:

@@ -72,16 +72,22 @@ def serving_clusters(model: str) -> set[str]:
     return {name for name, models in SERVING.items() if model in models}
 
 
-@pytest.fixture
-def pooled_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+@pytest.fixture(params=["file", "xds"])
+def pooled_models(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FleetStack]:
     # The linear-scale (pool) data path: the processor names the endpoints, and in a
-    # model-aware fleet routes each request to its model's own pool.
+    # model-aware fleet routes each request to its model's own pool. Every pool takes its
+    # endpoints by EDS: from a file of its own beside the CDS file, or from the processor's
+    # gRPC xDS server.
     stack = FleetStack(
-        tmp_path_factory.mktemp("pooled-models"),
+        tmp_path_factory.mktemp(f"pooled-models-{request.param}"),
         clusters=3,
         cluster_models={"c1": ["big"], "c2": ["big"], "c3": ["small"]},
         fleet_overrides={"processor": {"mode": "endpoint_picker"}},
         sim_start_timeout_s=60,
+        dynamic_cds=request.param == "file",
+        xds_cds=request.param == "xds",
     )
     with stack:
         yield stack
@@ -110,6 +116,28 @@ def test_pool_mode_routes_each_model_through_its_own_pool(
     for model, pool in pools.items():
         assert sent_to(pool) - before[model] == counts[model], (model, pool)
     assert stack.envoy_stat("cluster.all_clusters.upstream_rq_total") == everyone
+    # Each pool got its endpoints by EDS (no inline endpoints in the CDS resources), exactly
+    # its model's; only the pool of every endpoint runs active health checks (each endpoint is
+    # checked once, not once per pool it is in).
+    hosts: dict[str, set[str]] = collections.defaultdict(set)
+    for cluster, address in stack.host_health():
+        hosts[cluster].add(address)
+    for model, pool in pools.items():
+        mine = {
+            stack.engine_address(e) for c in serving_clusters(model) for e in stack.engines_of(c)
+        }
+        assert hosts[pool] == mine, (model, hosts)
+        assert stack.envoy_stat(f"cluster.{pool}.update_success") >= 1, pool
+        assert stack.envoy_stat(f"cluster.{pool}.health_check.attempt") == 0, pool
+    assert stack.envoy_stat("cluster.all_clusters.health_check.attempt") > 0
+    # An engine of big killed under sequential traffic: Envoy tries the named endpoint, the
+    # connection is refused, and the retry takes the next named one (the secondary's): no
+    # request fails, though the big pool does not health-check it.
+    stack.sims["c1"].kill()
+    for session in range(12):
+        status, hdrs, data = client.post_json(CHAT, body("big", session, 1))
+        assert status == 200, (data, dump_logs(stack))
+        assert hdrs["x-served-by"] == "c2"
 
 
 def test_every_request_lands_on_a_cluster_serving_its_model_and_sticks(

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from extproc.config import Runtime, compile_runtime, parse_config
+from extproc.core.models import MODEL_POOL_PREFIX, model_pool_name
+from extproc.render.envoy import FALLBACK_CLUSTER
 from extproc.render.envoy_dynamic import (
     ENDPOINTS_TYPE,
     endpoints_path,
     split_bootstrap,
+    union_endpoints,
     write_cds,
     write_cds_union,
 )
@@ -120,3 +124,79 @@ def test_a_pool_of_host_names_keeps_its_endpoints_inline(tmp_path: Path) -> None
     (pool,) = yaml.safe_load(path.read_text())["resources"]
     assert pool["type"] == "STRICT_DNS" and pool["load_assignment"]["endpoints"]
     assert not endpoints_path(path).exists()
+
+
+# --- issue 23: a model-aware fleet's model pools on the same EDS path -------------------------
+
+
+def models_runtime(serving: dict[str, list[str]]) -> Runtime:
+    doc = {
+        "version": 1,
+        "processor": {"mode": "endpoint_picker"},
+        "clusters": [
+            {
+                "name": name,
+                "endpoints": [f"127.0.0.1:{9100 + 2 * int(name[1:]) + j}" for j in range(2)],
+                "models": models,
+            }
+            for name, models in serving.items()
+        ],
+    }
+    return compile_runtime(parse_config(doc))
+
+
+SERVING = {"c0": ["big"], "c1": ["big"], "c2": ["big", "small"], "c3": ["small"]}
+
+
+def cds_clusters(path: Path) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in yaml.safe_load(path.read_text())["resources"]}
+
+
+def test_model_pools_take_their_endpoints_by_eds_one_file_each(tmp_path: Path) -> None:
+    path = tmp_path / "cds.yaml"
+    write_cds(models_runtime(SERVING), str(path))
+    resources = cds_clusters(path)
+    big, small = model_pool_name("big"), model_pool_name("small")
+    assert sorted(n for n in resources if n.startswith(MODEL_POOL_PREFIX)) == sorted([big, small])
+    for name in (FALLBACK_CLUSTER, big, small):
+        cluster = resources[name]
+        assert cluster["type"] == "EDS" and "load_assignment" not in cluster, name
+        source = cluster["eds_cluster_config"]["eds_config"]["path_config_source"]["path"]
+        # One file per pool: Envoy's EDS takes exactly one ClusterLoadAssignment per update.
+        assert source == str(endpoints_path(path, name)), name
+    assert endpoints_path(path, FALLBACK_CLUSTER) == endpoints_path(path)
+    assert localities(endpoints_path(path)) == {"c0": 2, "c1": 2, "c2": 2, "c3": 2}
+    assert localities(endpoints_path(path, big)) == {"c0": 2, "c1": 2, "c2": 2}
+    assert localities(endpoints_path(path, small)) == {"c2": 2, "c3": 2}
+    # Each endpoint is actively checked once, by the pool of every endpoint (issue 23): a
+    # model's pool only ever gets requests with their hosts named, which override_host takes
+    # whatever their health. Outlier detection (passive) stays on every pool.
+    assert resources[FALLBACK_CLUSTER]["health_checks"]
+    for name in (big, small):
+        assert "health_checks" not in resources[name], name
+        assert (
+            resources[name]["outlier_detection"] == resources[FALLBACK_CLUSTER]["outlier_detection"]
+        )
+
+
+def test_a_reload_changes_only_the_model_pools_endpoints_union_first(tmp_path: Path) -> None:
+    path = tmp_path / "cds.yaml"
+    big, small = model_pool_name("big"), model_pool_name("small")
+    old = models_runtime(SERVING)
+    # c4 joins serving big; c3 leaves and c2 stops serving small: no small pool any more.
+    new = models_runtime({"c0": ["big"], "c1": ["big"], "c2": ["big"], "c4": ["big"]})
+    write_cds(old, str(path))
+    big_before = cds_clusters(path)[big]
+    write_cds_union(old, new, str(path))
+    union = cds_clusters(path)
+    # The big pool's cluster is the same (Envoy keeps it and its hosts); only its endpoints
+    # change, the union of both first; the small pool stays until the switch, as it was.
+    assert union[big] == big_before and small in union
+    assert set(localities(endpoints_path(path, big))) == {"c0", "c1", "c2", "c4"}
+    assert localities(endpoints_path(path, small)) == {"c2": 2, "c3": 2}
+    assert {c["cluster_name"] for c in union_endpoints(old, new)} == {FALLBACK_CLUSTER, big, small}
+    write_cds(new, str(path))
+    final = cds_clusters(path)
+    assert small not in final and final[big] == big_before
+    assert set(localities(endpoints_path(path, big))) == {"c0", "c1", "c2", "c4"}
+    assert set(localities(endpoints_path(path))) == {"c0", "c1", "c2", "c4"}

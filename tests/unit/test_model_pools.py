@@ -69,9 +69,13 @@ def test_a_pool_per_base_model_beside_the_pool_of_every_endpoint(tmp_path: Path)
     for name in pools:
         pool = by_name[name]
         assert pool["load_assignment"]["cluster_name"] == name
-        # The same host selection, checks and stats as the pool of every endpoint.
-        for key in ("load_balancing_policy", "health_checks", "track_cluster_stats"):
+        # The same host selection, outlier detection and stats as the pool of every endpoint.
+        for key in ("load_balancing_policy", "outlier_detection", "track_cluster_stats"):
             assert pool[key] == by_name[FALLBACK_CLUSTER][key], key
+        # No active checks of its own since issue 23's dedup (render/envoy.py _model_pools
+        # says why): each endpoint is checked once, by the pool of every endpoint.
+        assert "health_checks" not in pool
+    assert by_name[FALLBACK_CLUSTER]["health_checks"]
     # The pool route first: x-fleet-route naming a pool, with the pool's retry policy.
     pool_route, fallback = routes(config)
     (match,) = pool_route["match"]["headers"]
