@@ -11,7 +11,7 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from extproc.config import compile_runtime, parse_config
-from extproc.config.runtime import with_discovered_models
+from extproc.config.runtime import Runtime, with_discovered_models
 from extproc.core.endpoints import endpoint_order, engine_cap, engine_key
 from extproc.metrics import Metrics
 from extproc.pipeline.explain import explain_outcome
@@ -156,22 +156,29 @@ async def test_usage_is_counted_per_engine_envoy_names_the_serving_host() -> Non
     assert cost is not None and cost > 0
 
 
-async def test_picker_prefers_the_engines_an_adapter_is_loaded_on() -> None:
-    # Model discovery found the adapter "sql-lora" (of base "m") on one engine of c1 only.
+def _lora_runtime(mode: str, loaded_on: dict[str, str]) -> Runtime:
+    """Two clusters serving "m"; discovery found the adapter "sql-lora" on the engines
+    ``loaded_on`` names (cluster -> engine)."""
     data = {
-        **doc("endpoint_picker"),
+        **doc(mode),
         "models": [{"name": "sql-lora", "base": "m"}],
         "model_routing": {"discovery": True},
     }
     for cluster in data["clusters"]:
         cluster["models"] = ["m"]
     runtime = compile_runtime(parse_config(data))
-    loaded_on = "10.0.1.2:8000"
     listed = {e: frozenset({("m", None)}) for c in runtime.endpoints.values() for e in c}
-    listed[loaded_on] = frozenset({("m", None), ("sql-lora", "m")})
-    clusters = {c: frozenset(("m", None) for _ in eps) for c, eps in runtime.endpoints.items()}
-    clusters["c1"] = frozenset({("m", None), ("sql-lora", "m")})
-    grown = with_discovered_models(runtime, clusters, listed)
+    clusters = {c: frozenset({("m", None)}) for c in runtime.endpoints}
+    for cluster, engine in loaded_on.items():
+        listed[engine] = frozenset({("m", None), ("sql-lora", "m")})
+        clusters[cluster] = frozenset({("m", None), ("sql-lora", "m")})
+    return with_discovered_models(runtime, clusters, listed)
+
+
+async def test_picker_prefers_the_engines_an_adapter_is_loaded_on() -> None:
+    # Model discovery found the adapter "sql-lora" (of base "m") on one engine of c1 only.
+    loaded_on = "10.0.1.2:8000"
+    grown = _lora_runtime("endpoint_picker", {"c1": loaded_on})
     assert grown.adapter_engines == {"sql-lora": frozenset({loaded_on})}
     pipeline = Pipeline(RuntimeHolder(grown), Metrics(CollectorRegistry()))
     lora = orjson.dumps({"model": "sql-lora", "messages": [{"role": "user", "content": "q"}]})
@@ -191,25 +198,6 @@ async def test_picker_prefers_the_engines_an_adapter_is_loaded_on() -> None:
     assert firsts == {loaded_on: 40}, firsts
     # The base model's requests are not drawn to it: they spread over all eight engines.
     assert len(base_firsts) > 4, base_firsts
-
-
-def _lora_runtime(mode: str, loaded_on: dict[str, str]) -> Any:
-    """Two clusters serving "m"; discovery found the adapter "sql-lora" on the engines
-    ``loaded_on`` names (cluster -> engine)."""
-    data = {
-        **doc(mode),
-        "models": [{"name": "sql-lora", "base": "m"}],
-        "model_routing": {"discovery": True},
-    }
-    for cluster in data["clusters"]:
-        cluster["models"] = ["m"]
-    runtime = compile_runtime(parse_config(data))
-    listed = {e: frozenset({("m", None)}) for c in runtime.endpoints.values() for e in c}
-    clusters = {c: frozenset({("m", None)}) for c in runtime.endpoints}
-    for cluster, engine in loaded_on.items():
-        listed[engine] = frozenset({("m", None), ("sql-lora", "m")})
-        clusters[cluster] = frozenset({("m", None), ("sql-lora", "m")})
-    return with_discovered_models(runtime, clusters, listed)
 
 
 async def test_route_mode_names_an_adapters_loaded_engines_and_hashes_everything_else() -> None:
