@@ -203,6 +203,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also report TTFT for requests arriving in this window (bursts are windows)",
     )
 
+    pd = parser.add_argument_group("disaggregated prefill/decode (extproc.sim.pd)")
+    pd.add_argument(
+        "--pd",
+        metavar="P:D",
+        default=None,
+        help="P prefill-role and D decode-role clusters (P + D = --clusters), split evenly over"
+        " --pd-islands islands; the --pd-classes prefill on a prefill cluster chosen as the"
+        " processor chooses, move their KV over the pair's link and decode elsewhere",
+    )
+    pd.add_argument("--pd-islands", type=int, default=8)
+    pd.add_argument(
+        "--pd-min-inflight",
+        type=int,
+        default=None,
+        help="fleet.yaml disaggregation.min_inflight: prefills in flight before the prefill"
+        " choice may leave the hashed endpoint for load (default: the shipped 1)",
+    )
+    pd.add_argument(
+        "--pd-saturation",
+        type=float,
+        default=None,
+        help="fleet.yaml disaggregation.saturation_factor (default: the shipped 1.25)",
+    )
+    pd.add_argument(
+        "--pd-classes",
+        default="medium,long",
+        help="classes served disaggregated (comma-separated); the others stay colocated",
+    )
+    pd.add_argument(
+        "--pd-prefill-budget",
+        type=parse_budget,
+        default=Budget(),
+        help="the prefill pool's budget per prefill cluster (bulkhead policies only)",
+    )
+
     admission = parser.add_argument_group("classes and admission")
     admission.add_argument("--short-below", type=int, default=2000)
     admission.add_argument("--long-from", type=int, default=100_000)
@@ -310,6 +345,12 @@ def run(args: argparse.Namespace) -> int:
         ),
         jobs=args.jobs,
         sizing=args.sizing,
+        pd=args.pd,
+        pd_islands=args.pd_islands,
+        pd_classes=tuple(c.strip() for c in args.pd_classes.split(",") if c.strip()),
+        pd_prefill_budget=args.pd_prefill_budget,
+        pd_min_inflight=args.pd_min_inflight,
+        pd_saturation=args.pd_saturation,
     )
     try:
         prepared = build(options, load_base(options))

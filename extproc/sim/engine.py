@@ -43,6 +43,7 @@ from extproc.pipeline.admission import admit_first_fit
 from extproc.sim.engines import EngineCluster, EngineSpill, cluster_state
 from extproc.sim.events import Event, Kind, validate
 from extproc.sim.model import ClusterSpec
+from extproc.sim.pd import PdSim
 from extproc.sim.policies import FleetView, make_policy
 from extproc.sim.traffic import Traffic
 from extproc.sim.vector import EpochTables
@@ -97,11 +98,17 @@ class Scenario:
 
 
 def memberships(
-    names: Sequence[str], n_base: int, events: Sequence[Event]
+    names: Sequence[str],
+    n_base: int,
+    events: Sequence[Event],
+    placeable: Sequence[bool] | None = None,
 ) -> tuple[list[npt.NDArray[np.bool_]], tuple[int, ...]]:
-    """Membership per epoch (a new epoch at each add/remove) and the epoch after each event."""
+    """Membership per epoch (a new epoch at each add/remove) and the epoch after each event.
+    ``placeable``: clusters the session placer may choose at all (P/D: not prefill-role ones)."""
     current = np.zeros(len(names), dtype=bool)
     current[:n_base] = True
+    if placeable is not None:
+        current &= np.asarray(placeable, dtype=bool)
     epochs = [current.copy()]
     after: list[int] = []
     index = {n: i for i, n in enumerate(names)}
@@ -119,11 +126,12 @@ def prepare(
     n_base: int,
     events: Sequence[Event],
     depth: int = 8,
+    placeable: Sequence[bool] | None = None,
 ) -> Scenario:
     names = [c.name for c in clusters]
     ordered = tuple(sorted(events, key=lambda e: e.time_s))
     validate(ordered, names[:n_base], names[n_base:])
-    members, after = memberships(names, n_base, ordered)
+    members, after = memberships(names, n_base, ordered, placeable)
     tables = EpochTables(traffic.points, names, [c.weight for c in clusters], members, depth)
     return Scenario(traffic, clusters, n_base, ordered, tables, after)
 
@@ -156,6 +164,8 @@ class SimConfig:
     engine_min_inflight: int = DEFAULT_MIN_INFLIGHT
     # Per class, for the policies that wait (Policy.waits): how long and how many may wait.
     waits: Mapping[str, WaitPolicy] = field(default_factory=default_waits)
+    # Disaggregated prefill/decode (extproc.sim.pd): roles, and the processor's compiled plan.
+    pd: PdSim | None = None
 
 
 @dataclass(slots=True)
@@ -187,6 +197,13 @@ class PolicyRun:
     leaked_tickets: int
     # Decision kinds of extproc.core.affinity.place (primary, spilled, migrated, override, ...).
     decisions: dict[str, int] = field(default_factory=dict)
+    # When each served request's decode ended (NaN where not served): throughput.
+    done_at: npt.NDArray[np.float64] | None = None
+    # P/D runs: the KV transfer of each disaggregated request (NaN otherwise: colocated, or not
+    # served) and the topology relation of its pair (core.pd tier; -1 colocated prefill, -2
+    # not a disaggregated class).
+    transfer_s: npt.NDArray[np.float64] | None = None
+    prefill_tier: npt.NDArray[np.int8] | None = None
 
 
 def run_policy(
@@ -216,11 +233,14 @@ def run_policy(
     leaves = engine_spill == "leave" and sticky
     member = [i < scenario.n_base for i in range(n_clusters)]
     alive = list(member)
+    pd = config.pd
+    # Clusters a policy may send a whole request to (P/D: prefill-role clusters only prefill).
+    placeable = pd.placeable if pd is not None else (True,) * n_clusters
     table = scenario.tables.tables[0]
     view = FleetView(
         states=states,
         alive=alive,
-        alive_ix=[i for i in range(n_clusters) if alive[i]],
+        alive_ix=[i for i in range(n_clusters) if alive[i] and placeable[i]],
         table=table,
         primary=table[:, 0].tolist(),
         secondary=table[:, 1].tolist() if table.shape[1] > 1 else [-1] * len(table),
@@ -239,7 +259,9 @@ def run_policy(
     offsets = traffic.offsets
     sessions = traffic.sessions
     # The processor's placement point per session: only clusters of several engines use it.
-    points = traffic.points.tolist() if any(sp.engines > 1 for sp in specs) else None
+    points = (
+        traffic.points.tolist() if pd is not None or any(sp.engines > 1 for sp in specs) else None
+    )
     ideal = traffic.ideal_cached
     t_keys, t_in, t_out, t_class = (
         traffic.t_keys,
@@ -254,6 +276,9 @@ def run_policy(
     served_on: list[int] = [-1] * n
     rejections: list[int] = [0] * n
     status: list[int] = [SERVED] * n
+    done_at: list[float] = [math.nan] * n
+    transfer_s: list[float] = [math.nan] * n
+    prefill_tier: list[int] = [-2] * n
 
     seen = bytearray(traffic.n_sessions)
     last_on: list[int] = [-1] * traffic.n_sessions
@@ -269,6 +294,18 @@ def run_policy(
     ev_i = 0
     n_ev = len(events)
     index = {name: i for i, name in enumerate(names)}
+
+    # P/D (extproc.sim.pd): prefills in flight per prefill endpoint (the load the processor
+    # counts), the endpoints the prober would find ready (those of live clusters), and the
+    # prefills under way: (KV ready at, seq, request, decode cluster, tier, endpoint, keys,
+    # prefill-cached tokens, decode ticket, prefill ticket).
+    pd_classes = pd.disaggregated if pd is not None else frozenset()
+    pd_endpoints = (
+        {ep for pool in pd.plan.pools.values() for ep in pool} if pd is not None else set()
+    )
+    pd_inflight: dict[str, int] = {}
+    pd_ready = [frozenset(ep.address for ep in pd_endpoints if alive[index[ep.cluster]])]
+    prefills: list[tuple[float, int, int, int, int, str, Sequence[int], int, object, object]] = []
 
     def apply(ev_no: int, now: float) -> None:
         ev = events[ev_no]
@@ -294,7 +331,8 @@ def run_policy(
             view.table = tab
             view.primary = tab[:, 0].tolist()
             view.secondary = tab[:, 1].tolist() if tab.shape[1] > 1 else [-1] * len(tab)
-        view.alive_ix = [i for i in range(n_clusters) if alive[i]]
+        view.alive_ix = [i for i in range(n_clusters) if alive[i] and placeable[i]]
+        pd_ready[0] = frozenset(ep.address for ep in pd_endpoints if alive[index[ep.cluster]])
         policy.refresh(view)
 
     releases: list[tuple[float, int, object]] = []
@@ -368,16 +406,22 @@ def run_policy(
             if not answer.granted or answer.ticket is None:
                 return
             q.pop()
-            del queued[head]
+            attempt = queued.pop(head)[2]
             serve_c = index[key[0]]
             if not alive[serve_c]:
                 status[head] = NO_CLUSTER
                 ledger.release_now(answer.ticket)
                 continue
-            start(head, serve_c, answer.ticket, now)
+            start(head, serve_c, answer.ticket, now, attempt)
 
     def release_until(t: float) -> None:
-        while releases and releases[0][0] <= t:
+        while True:
+            next_release = releases[0][0] if releases else math.inf
+            if prefills and prefills[0][0] <= t and prefills[0][0] <= next_release:
+                prefilled(heapq.heappop(prefills))
+                continue
+            if next_release > t:
+                return
             rel_t, _, ticket = heapq.heappop(releases)
             clock[0] = rel_t
             assert isinstance(ticket, Ticket)
@@ -385,8 +429,106 @@ def run_policy(
             if queued:
                 drain((ticket.cluster, ticket.class_name), rel_t)
 
-    def start(i: int, serve_c: int, ticket: object, now: float) -> None:
+    def give_back(ticket: object, now: float) -> None:
+        """A ticket returned before its request ran (its prefill refused, its decode target
+        gone): free at once, and waiters may take it."""
+        assert isinstance(ticket, Ticket)
+        clock[0] = now
+        ledger.release_now(ticket)
+        if queued:
+            drain((ticket.cluster, ticket.class_name), now)
+
+    def start_pd(
+        i: int,
+        tp: int,
+        keys: Sequence[int],
+        decode_c: int,
+        ticket: object,
+        now: float,
+        attempt: int,
+    ) -> bool:
+        """A disaggregated request: the prefiller the processor would name, its prefill pool's
+        budget, then the prefill on it; False when the decode target prefills it itself."""
         nonlocal seq
+        assert pd is not None and points is not None
+        klass = classes[t_class[tp]]
+        point = points[sessions[i]]
+        choice = pd.plan.choose(klass.name, names[decode_c], point, pd_inflight, pd_ready[0])
+        if choice is None or choice.endpoint is None:
+            prefill_tier[i] = -1
+            return False
+        endpoint = choice.endpoint
+        pticket = None
+        budget = pd.plan.prefill_classes[klass.name]
+        if policy.bulkheads and budget.budget.enforced:
+            admission = admit_first_fit(ledger, t_in[tp], budget, [endpoint.cluster], retry_rng)
+            if admission.index < 0:
+                # As the pipeline: the decode reservation goes back and the 429 is the prefill
+                # pool's.
+                if ticket is not None:
+                    give_back(ticket, now)
+                assert admission.refusal is not None
+                refuse(i, admission.refusal, attempt, now)
+                return True
+            pticket = admission.ticket
+        pd_inflight[endpoint.address] = pd_inflight.get(endpoint.address, 0) + 1
+        # The prefill leg: one token out, its KV ready when that token is.
+        pcached, ready_at, _ = states[index[endpoint.cluster]].serve(keys, t_in[tp], 1, now, point)
+        seq += 1
+        heapq.heappush(
+            prefills,
+            (
+                ready_at,
+                seq,
+                i,
+                decode_c,
+                choice.tier,
+                endpoint.address,
+                keys,
+                pcached,
+                ticket,
+                pticket,
+            ),
+        )
+        return True
+
+    def prefilled(
+        entry: tuple[float, int, int, int, int, str, Sequence[int], int, object, object],
+    ) -> None:
+        """The prefill is done: the KV moves to the decode cluster, which decodes."""
+        at, _, i, decode_c, tier, address, keys, pcached, ticket, pticket = entry
+        assert pd is not None and points is not None
+        clock[0] = at
+        pd_inflight[address] -= 1
+        tickets = [t for t in (ticket, pticket) if t is not None]
+        if not alive[decode_c]:
+            status[i] = NO_CLUSTER
+            for t in tickets:
+                give_back(t, at)
+            return
+        tp = templates[i]
+        per_token = pd.plan.kv_bytes_per_token / pd.plan.topology.bandwidth(tier)
+        got, first, done = states[decode_c].serve_remote(
+            keys, t_in[tp], t_out[tp], at, per_token, points[sessions[i]]
+        )
+        served(i, decode_c, pcached, first, done, tickets)
+        transfer_s[i] = (t_in[tp] - got) * per_token
+        prefill_tier[i] = tier
+
+    def served(
+        i: int, c: int, cached: int, first: float, done: float, tickets: Sequence[object]
+    ) -> None:
+        """Request ``i`` runs on cluster ``c``: its figures, and its tickets back at its end."""
+        nonlocal seq
+        for t in tickets:
+            seq += 1
+            heapq.heappush(releases, (done, seq, t))
+        ttft[i] = first - times[i]
+        cached_out[i] = cached
+        served_on[i] = c
+        done_at[i] = done
+
+    def start(i: int, serve_c: int, ticket: object, now: float, attempt: int = 0) -> None:
         s = sessions[i]
         tp = templates[i]
         if not seen[s]:
@@ -407,15 +549,12 @@ def run_policy(
                 and state.home_full(points[s], now)
             ):
                 serve_c = other  # the charge stays where admission put it
+        if t_class[tp] in pd_classes and start_pd(i, tp, keys, serve_c, ticket, now, attempt):
+            return
         got, first, done = states[serve_c].serve(
             keys, t_in[tp], t_out[tp], now, points[s] if points is not None else 0
         )
-        if ticket is not None:
-            seq += 1
-            heapq.heappush(releases, (done, seq, ticket))
-        ttft[i] = first - times[i]
-        cached_out[i] = got
-        served_on[i] = serve_c
+        served(i, serve_c, got, first, done, [ticket] if ticket is not None else [])
         if track:
             j = displaced.get(s)
             if j is None:
@@ -499,7 +638,7 @@ def run_policy(
                         refuse(i, refusal, attempt, now)
                     return
                 serve_c = chosen
-        start(i, serve_c, ticket, now)
+        start(i, serve_c, ticket, now, attempt)
 
     inf = math.inf
     while True:
@@ -530,8 +669,8 @@ def run_policy(
 
     # Releases still pending at the end are requests that finish after the last arrival;
     # they admit waiters, and waiters time out (a retry after the last arrival still runs).
-    while releases or deadlines or retries:
-        next_release = releases[0][0] if releases else inf
+    while releases or deadlines or retries or prefills:
+        next_release = min(releases[0][0] if releases else inf, prefills[0][0] if prefills else inf)
         next_deadline = deadlines[0][0] if deadlines else inf
         next_retry = retries[0][0] if retries else inf
         if next_deadline <= min(next_release, next_retry):
@@ -558,6 +697,9 @@ def run_policy(
         spilled_sessions=int(spilled),
         leaked_tickets=ledger.held(),
         decisions=dict(getattr(policy, "kinds", {})),
+        done_at=np.asarray(done_at, dtype=np.float64),
+        transfer_s=np.asarray(transfer_s, dtype=np.float64) if pd is not None else None,
+        prefill_tier=np.asarray(prefill_tier, dtype=np.int8) if pd is not None else None,
     )
 
 

@@ -107,9 +107,25 @@ class EngineCluster(ClusterState):
         point: int = 0,
     ) -> tuple[int, float, float]:
         engine = self.engines[self.choose(point, now)]
-        before = engine.evictions
-        served = engine.serve(keys, prompt_tokens, output_tokens, now)
-        self.evictions += engine.evictions - before
+        return self._counted(engine.serve(keys, prompt_tokens, output_tokens, now))
+
+    def serve_remote(
+        self,
+        keys: Sequence[int],
+        prompt_tokens: int,
+        output_tokens: int,
+        now: float,
+        transfer_s_per_token: float,
+        point: int = 0,
+    ) -> tuple[int, float, float]:
+        engine = self.engines[self.choose(point, now)]
+        return self._counted(
+            engine.serve_remote(keys, prompt_tokens, output_tokens, now, transfer_s_per_token)
+        )
+
+    def _counted(self, served: tuple[int, float, float]) -> tuple[int, float, float]:
+        """The cluster's evictions are its engines' (a few engines: summed per request)."""
+        self.evictions = sum(e.evictions for e in self.engines)
         return served
 
     def queue_wait(self, now: float) -> float:

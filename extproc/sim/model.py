@@ -189,6 +189,49 @@ class ClusterState:
     ) -> tuple[int, float, float]:
         """Admit one request: (cached tokens, first-token time, done time). ``point`` (the
         session's) chooses the engine of a cluster of several (extproc.sim.engines)."""
+        cached = self._touch(keys, prompt_tokens)
+        slot_at = self._slot(now)
+        lanes = self.lanes
+        free = min(lanes)
+        lane = lanes.index(free)
+        start = slot_at if slot_at > free else free
+        first = start + (prompt_tokens - cached) / self.lane_tps
+        lanes[lane] = first
+        done = first + max(0, output_tokens - 1) / self.decode_tps
+        heapq.heappush(self.slots, done)
+        return cached, first, done
+
+    def serve_remote(
+        self,
+        keys: Sequence[int],
+        prompt_tokens: int,
+        output_tokens: int,
+        now: float,
+        transfer_s_per_token: float,
+        point: int = 0,
+    ) -> tuple[int, float, float]:
+        """Decode a request prefilled on another cluster (P/D, extproc.sim.pd): its KV arrives
+        over the link, ``transfer_s_per_token`` per token this cluster does not hold (vLLM's
+        NIXL connector pulls the prompt minus the local prefix-cache hit), instead of being
+        computed, so the prefill lanes are not touched. As ``serve``: (cached tokens,
+        first-token time, done time); the transfer is ``first - max(now, slot)``."""
+        cached = self._touch(keys, prompt_tokens)
+        slot_at = self._slot(now)
+        first = slot_at + (prompt_tokens - cached) * transfer_s_per_token
+        done = first + max(0, output_tokens - 1) / self.decode_tps
+        heapq.heappush(self.slots, done)
+        return cached, first, done
+
+    def _slot(self, now: float) -> float:
+        """When a concurrency slot is free for a request arriving ``now`` (taken from the heap
+        when the cluster is full; the caller pushes the request's own done time)."""
+        slots = self.slots
+        while slots and slots[0] <= now:
+            heapq.heappop(slots)
+        return heapq.heappop(slots) if len(slots) >= self.max_concurrency else now
+
+    def _touch(self, keys: Sequence[int], prompt_tokens: int) -> int:
+        """The request's cached tokens; its blocks become the most recent, LRU evicts."""
         cache = self.cache
         matched = self.match(keys)
         cached = min(matched * self.block, prompt_tokens)
@@ -203,20 +246,7 @@ class ClusterState:
             self.evictions += over
             # popitem(last=False) ``over`` times, iterated in C.
             deque(map(cache.popitem, repeat(False, over)), maxlen=0)
-
-        slots = self.slots
-        while slots and slots[0] <= now:
-            heapq.heappop(slots)
-        slot_at = heapq.heappop(slots) if len(slots) >= self.max_concurrency else now
-        lanes = self.lanes
-        free = min(lanes)
-        lane = lanes.index(free)
-        start = slot_at if slot_at > free else free
-        first = start + (prompt_tokens - cached) / self.lane_tps
-        lanes[lane] = first
-        done = first + max(0, output_tokens - 1) / self.decode_tps
-        heapq.heappush(slots, done)
-        return cached, first, done
+        return cached
 
     def queue_wait(self, now: float) -> float:
         """How long a prefill arriving now would wait for a lane (the spill signal)."""

@@ -29,6 +29,7 @@ import numpy.typing as npt
 
 from extproc.sim.engine import GAVE_UP_429, SERVED, FailureRecord, PolicyRun, Scenario
 from extproc.sim.events import Kind
+from extproc.sim.pd import TIER_NAMES
 from extproc.sim.policies import POLICIES
 from extproc.sim.traffic import Traffic
 
@@ -172,6 +173,39 @@ def _class_stats(
     return out
 
 
+def _throughput(run: PolicyRun, arr: _Arrays, output: npt.NDArray[np.int64]) -> float | None:
+    """Served output tokens per second, from the first arrival to the last decode's end."""
+    if run.done_at is None or not len(arr.times):
+        return None
+    done = run.done_at[run.status == SERVED]
+    if not len(done):
+        return None
+    span = float(done.max() - arr.times.min())
+    return _round(float(output.sum()) / span, 1) if span > 0 else None
+
+
+def _pd_stats(
+    run: PolicyRun, transfer: npt.NDArray[np.float64], tier: npt.NDArray[np.int8]
+) -> dict[str, Any]:
+    """P/D runs: how the disaggregated requests' pairs related, and their KV transfers
+    (seconds, uncached-at-decode tokens x KV bytes / the pair's link)."""
+    served = run.status == SERVED
+    moved = served & (tier >= 0)
+    t = transfer[moved]
+    values, counts = np.unique(tier[moved], return_counts=True)
+    relations = {
+        TIER_NAMES[min(int(k), len(TIER_NAMES) - 1)]: int(v)
+        for k, v in zip(values, counts, strict=True)
+    }
+    return {
+        "disaggregated": int(moved.sum()),
+        "colocated_fallback": int((served & (tier == -1)).sum()),
+        "by_tier": relations,
+        "transfer_p50_s": _round(_pct(t, 50), 4),
+        "transfer_p99_s": _round(_pct(t, 99), 4),
+    }
+
+
 def _timeline(
     run: PolicyRun, arr: _Arrays, klass: int, edges: npt.NDArray[np.float64]
 ) -> list[float | None]:
@@ -260,7 +294,10 @@ def summarize(
             "affinity_decisions": dict(sorted(run.decisions.items())),
             "leaked_tickets": run.leaked_tickets,
             "timeline_short_p99_s": _timeline(run, arr, short_ix, edges),
+            "output_tokens_per_s": _throughput(run, arr, output),
         }
+        if run.transfer_s is not None and run.prefill_tier is not None:
+            policies[name]["pd"] = _pd_stats(run, run.transfer_s, run.prefill_tier)
 
     ideal_input_usd = (
         float(arr.ideal.sum()) * USD_PER_M_CACHED
@@ -378,6 +415,17 @@ def format_table(summary: Mapping[str, Any]) -> str:
         )
         lines.append("")
         lines.append(f"input cost relative to round-robin: {ratios}")
+    lines.append("")
+    for name, p in summary["policies"].items():
+        row = f"{name}: output {_fmt(p.get('output_tokens_per_s'), 1, 0)} tokens/s"
+        pd = p.get("pd")
+        if pd:
+            row += (
+                f"; P/D: {pd['disaggregated']:,} disaggregated {pd['by_tier']}, "
+                f"{pd['colocated_fallback']:,} prefilled colocated, KV transfer p50/p99 "
+                f"{_fmt(pd['transfer_p50_s'], 1000, 1)}/{_fmt(pd['transfer_p99_s'], 1000, 1)} ms"
+            )
+        lines.append(row)
     if summary.get("windows"):
         lines.append("")
         lines.append(

@@ -6,6 +6,7 @@ preparation shared by all policies and ``simulate`` runs it to a summary.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from extproc.sim.engine import PolicyRun, Scenario, SimConfig, prepare, run_all
 from extproc.sim.engines import EngineSpill
 from extproc.sim.events import Event, default_events, parse_event
 from extproc.sim.model import FleetShape, build_fleet
+from extproc.sim.pd import compile_pd, parse_layout
 from extproc.sim.policies import POLICIES
 from extproc.sim.report import summarize
 from extproc.sim.traffic import (
@@ -75,6 +77,15 @@ class SimOptions:
     # once, on min(s, clusters) clusters (BaseTraffic.spread_keys). None: "spread" for a layout
     # (one opening shared by hundreds of conversations), "ideal" otherwise.
     sizing: str | None = None
+    # Disaggregated prefill/decode (extproc.sim.pd): "P:D" prefill:decode base clusters split
+    # evenly over pd_islands islands, pd_classes served disaggregated; None: colocated.
+    pd: str | None = None
+    pd_islands: int = 8
+    pd_classes: tuple[str, ...] = ("medium", "long")
+    pd_prefill_budget: Budget = field(default_factory=Budget)
+    # fleet.yaml disaggregation.min_inflight / saturation_factor (None: shipped defaults).
+    pd_min_inflight: int | None = None
+    pd_saturation: float | None = None
 
 
 # Peak memory per simulated request with one policy, measured with `extproc simulate` on
@@ -242,7 +253,26 @@ def build(options: SimOptions, base: BaseTraffic | None = None) -> Prepared:
         events: tuple[Event, ...] = default_events(shape.clusters, period)
     else:
         events = tuple(parse_event(e, period) for e in options.events)
-    scenario = prepare(traffic, clusters, shape.clusters, events)
+    pd = None
+    if options.pd is not None:
+        if events:
+            raise ValueError("--pd runs take no fleet events (give --no-events)")
+        layout = parse_layout(
+            options.pd,
+            shape.clusters,
+            options.pd_islands,
+            options.pd_classes,
+            options.pd_prefill_budget,
+        )
+        layout = dataclasses.replace(
+            layout, min_inflight=options.pd_min_inflight, saturation_factor=options.pd_saturation
+        )
+        pd = compile_pd(
+            layout, [c.name for c in clusters], shape.clusters, classes, endpoints=shape.lanes
+        )
+    scenario = prepare(
+        traffic, clusters, shape.clusters, events, placeable=pd.placeable if pd else None
+    )
     config = SimConfig(
         classes,
         options.max_retries,
@@ -252,6 +282,7 @@ def build(options: SimOptions, base: BaseTraffic | None = None) -> Prepared:
         options.engine_spill,
         options.engine_balance,
         options.engine_min_inflight,
+        pd=pd,
     )
     # Bursts are windows of their own; an explicit window equal to one is reported once
     # (0.2T + 0.1T and 0.3T differ in the last bits, hence the rounding).
