@@ -257,16 +257,19 @@ def test_the_prefill_budget_answers_429_with_hints_and_leaves_decode_alone(
     assert results == [200] * 4
 
 
-def test_a_prefill_endpoint_killed_under_load_fails_no_request(
-    pd_fleet: FleetStack, make_client: MakeClient
-) -> None:
-    on_c1 = sessions_on(pd_fleet, "c1", 6)
-    statuses: collections.Counter[int] = collections.Counter()
-    prefilled: list[tuple[float, str]] = []
+def kill_prefiller_under_load(
+    stack: FleetStack, make_client: MakeClient
+) -> tuple[float, list[tuple[float, int, str]]]:
+    """Two clients loop over six sessions decoded on c1; c3 (a prefill cluster of c1's
+    island) is killed mid-load, and the load goes on until 30 requests sent after the
+    processor's detection window were prefilled on c4. Returns the kill time and, per
+    request, (sent at, status, prefiller: x-prefilled-by, or colocated without it)."""
+    on_c1 = sessions_on(stack, "c1", 6)
+    records: list[tuple[float, int, str]] = []
     stop = threading.Event()
 
     def load(sids: list[str]) -> None:
-        client = make_client(pd_fleet.listener_port)
+        client = make_client(stack.listener_port)
         turn = 0
         while not stop.is_set():
             for sid in sids:
@@ -274,23 +277,22 @@ def test_a_prefill_endpoint_killed_under_load_fails_no_request(
                 status, hdrs, _ = client.post_json(
                     CHAT, body(long_text(sid, turn % 3)), {"x-session-id": sid}
                 )
-                statuses[status] += 1
-                if status == 200:
-                    # No x-prefilled-by: the sidecar fell back to decode-only.
-                    prefilled.append((started, hdrs.get(PREFILLED_BY, COLOCATED)))
+                records.append((started, status, hdrs.get(PREFILLED_BY, COLOCATED)))
             turn += 1
 
     threads = [threading.Thread(target=load, args=(on_c1[i::2],)) for i in range(2)]
     for t in threads:
         t.start()
     try:
-        wait_until(lambda: len(prefilled) >= 20, 30, "load running")
+        wait_until(lambda: len(records) >= 20, 30, "load running")
         killed_at = time.monotonic()
-        pd_fleet.sims["c3"].kill()
+        stack.sims["c3"].kill()
         # The processor's prober (1 s rounds) sees c3 gone; from then on prefill moves to c4,
         # the other prefill cluster of c1's island.
         wait_until(
-            lambda: sum(1 for t, p in prefilled if t > killed_at + DETECTION_S and p == "c4") >= 30,
+            lambda: (
+                sum(1 for t, s, p in records if t > killed_at + DETECTION_S and p == "c4") >= 30
+            ),
             30,
             "prefill moved to c4",
         )
@@ -298,18 +300,56 @@ def test_a_prefill_endpoint_killed_under_load_fails_no_request(
         stop.set()
         for t in threads:
             t.join(30)
+    return killed_at, list(records)
+
+
+def test_a_prefill_endpoint_killed_under_load_fails_no_request(
+    pd_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    killed_at, records = kill_prefiller_under_load(pd_fleet, make_client)
+    statuses = collections.Counter(s for _, s, _ in records)
     # Requests the sidecar sent to c3 before the processor knew it was gone: llm-d's sidecar
     # falls back to decode-only when the prefill call fails with anything but a client error
     # (a dial error is its reverse proxy's 502), so the decode engine prefills them itself:
     # one generation each, and the client sees a normal answer.
     assert dict(statuses) == {200: sum(statuses.values())}, statuses
-    after = [p for t, p in prefilled if t > killed_at + DETECTION_S]
+    after = [p for t, _, p in records if t > killed_at + DETECTION_S]
     assert after and set(after) == {"c4"}, collections.Counter(after)
     # Decode-only answers only for requests sent before the prober's round saw c3 down.
-    fell_back = [t for t, p in prefilled if p == COLOCATED]
+    fell_back = [t for t, _, p in records if p == COLOCATED]
     assert all(t < killed_at + DETECTION_S for t in fell_back), (killed_at, fell_back)
     print(f"prefill kill under load: {dict(statuses)}, decode-only fallbacks: {len(fell_back)}")
     pd_fleet.restart_sim("c3")
+
+
+def test_a_dead_sglang_prefiller_fails_only_what_was_sent_before_detection(
+    sglang_fleet: FleetStack, make_client: MakeClient
+) -> None:
+    """SGLang has no decode-only fallback: a decode server whose prefill half is gone fails
+    the request (the simulated one answers 500 when the prefill server's bootstrap server
+    cannot be reached or drops the room; SGLang's own router passes the decode server's error
+    to the client too, sgl-router pd_router.rs). What the processor owes: once its prober has
+    seen the prefiller down, no request is paired with it, so nothing sent after the
+    detection window fails."""
+    killed_at, records = kill_prefiller_under_load(sglang_fleet, make_client)
+    before = [(t, s, p) for t, s, p in records if t <= killed_at + DETECTION_S]
+    after = [(t, s, p) for t, s, p in records if t > killed_at + DETECTION_S]
+    failed = [(t - killed_at, s) for t, s, _ in records if s != 200]
+    # Failures are the protocol's limit: requests paired with c3 before detection (in flight
+    # at the kill, or sent in the prober's window). Only 500s: nothing else breaks.
+    assert all(s == 500 for _, s in failed), failed
+    assert all(t <= DETECTION_S for t, _ in failed), failed
+    assert after and {(s, p) for _, s, p in after} == {(200, "c4")}, collections.Counter(
+        (s, p) for _, s, p in after
+    )
+    window = max((t for t, _ in failed), default=0.0)
+    print(
+        f"sglang prefill kill under load: {len(records)} requests, "
+        f"{sum(1 for _, s, _ in before if s == 200)} ok / {len(failed)} failed (500) of "
+        f"{len(before)} sent before kill + {DETECTION_S} s (last failure sent at +{window:.2f} s), "
+        f"{len(after)} after: all 200 on c4"
+    )
+    sglang_fleet.restart_sim("c3")
 
 
 def test_a_decode_cluster_killed_moves_its_sessions_to_the_secondary(
