@@ -46,6 +46,7 @@ from extproc.harness.sim_cluster import (
     start_sim_cluster,
 )
 from extproc.harness.sim_pd import (
+    SIM_PREFILL_HEADER,
     SIM_RELATION_HEADER,
     SIM_TRANSFER_HEADER,
     PdSimCluster,
@@ -152,6 +153,8 @@ class Sample:
     ttft_ms: float
     transfer_ms: float | None
     relation: str
+    # The prefill leg on the prefiller (its queue + compute), simulated ms; None: colocated.
+    prefill_ms: float | None = None
 
 
 async def send(
@@ -176,11 +179,13 @@ async def send(
             if resp.status != 200:
                 return None
             transfer = resp.headers.get(SIM_TRANSFER_HEADER)
+            prefill = resp.headers.get(SIM_PREFILL_HEADER)
             return Sample(
                 kind,
                 float(resp.headers[SIM_TTFT_HEADER]),
                 float(transfer) if transfer is not None else None,
                 resp.headers.get(SIM_RELATION_HEADER, "colocated"),
+                float(prefill) if prefill is not None else None,
             )
     finally:
         await fleet.pipeline.release(outcome.hold)
@@ -221,7 +226,10 @@ async def topology_run(args: Any, **pd: Any) -> list[Sample]:
                 while not queue.empty():
                     session, turn = queue.get_nowait()
                     text = words(args.context_tokens, session) + " next question" * (40 * turn)
-                    sample = await send(fleet, http, text, session, "long")
+                    # A first turn has no prefix cached anywhere: every policy computes the
+                    # same prefill, so its TTFT differs by queueing and transfer only.
+                    kind = "first" if turn == 0 else "later"
+                    sample = await send(fleet, http, text, session, kind)
                     if sample is not None:
                         samples.append(sample)
 
@@ -289,17 +297,23 @@ def _ms(values: Sequence[float], q: float) -> str:
 
 def topology_table(results: dict[str, list[Sample]]) -> str:
     lines = [
-        "| prefill choice | requests | TTFT p50 ms | TTFT p99 ms | transfer p50 ms | "
-        "transfer p99 ms | prefill relation (nvlink / island / cross) |",
-        "|---|---|---|---|---|---|---|",
+        "| prefill choice | requests | TTFT p50 ms | TTFT p99 ms | first-turn TTFT p50 / p99 ms | "
+        "prefill leg p50 / p99 ms | "
+        "transfer p50 ms | transfer p99 ms | transfer mean ms | "
+        "prefill relation (nvlink / island / cross) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, samples in results.items():
         ttft = [s.ttft_ms for s in samples]
+        first = [s.ttft_ms for s in samples if s.kind == "first"]
         transfer = [s.transfer_ms for s in samples if s.transfer_ms is not None]
+        prefill = [s.prefill_ms for s in samples if s.prefill_ms is not None]
         rel = Counter(s.relation for s in samples)
+        mean = f"{sum(transfer) / len(transfer):,.1f}" if transfer else "-"
         lines.append(
             f"| {name} | {len(samples)} | {_ms(ttft, 50)} | {_ms(ttft, 99)} | "
-            f"{_ms(transfer, 50)} | {_ms(transfer, 99)} | "
+            f"{_ms(first, 50)} / {_ms(first, 99)} | {_ms(prefill, 50)} / {_ms(prefill, 99)} | "
+            f"{_ms(transfer, 50)} | {_ms(transfer, 99)} | {mean} | "
             f"{rel['nvlink']} / {rel['island']} / {rel['cross']} |"
         )
     return "\n".join(lines)
