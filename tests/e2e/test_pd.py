@@ -260,15 +260,23 @@ def test_the_prefill_budget_answers_429_with_hints_and_leaves_decode_alone(
 def kill_prefiller_under_load(
     stack: FleetStack, make_client: MakeClient
 ) -> tuple[float, list[tuple[float, int, str]]]:
-    """Two clients loop over six sessions decoded on c1; c3 (a prefill cluster of c1's
-    island) is killed mid-load, and the load goes on until 30 requests sent after the
-    processor's detection window were prefilled on c4. Returns the kill time and, per
-    request, (sent at, status, prefiller: x-prefilled-by, or colocated without it)."""
-    on_c1 = sessions_on(stack, "c1", 6)
+    """Two clients loop over three sessions each, one decoded on c1, one on c2; c3 (a prefill
+    cluster of c1's island) is killed mid-load, and the load goes on until 30 requests sent
+    after the processor's detection window were prefilled on c4. Returns the kill time and,
+    per request of c1's client, (sent at, status, prefiller: x-prefilled-by, or colocated
+    without it); the other client's requests must all be 200.
+
+    One client per island: with two clients on c1 (so on c4 alone after the kill), one run
+    got 429s from c4's prefill budget (2 in flight; 13 of 759 requests, load ~15), not from
+    the kill: most likely a ticket given back when Envoy ends the ext_proc stream, after the
+    client already sent its next request (not investigated further)."""
+    on_c1 = sessions_on(stack, "c1", 3)
+    on_c2 = sessions_on(stack, "c2", 3)
     records: list[tuple[float, int, str]] = []
+    others: list[int] = []
     stop = threading.Event()
 
-    def load(sids: list[str]) -> None:
+    def load(sids: list[str], out: list[tuple[float, int, str]] | None) -> None:
         client = make_client(stack.listener_port)
         turn = 0
         while not stop.is_set():
@@ -277,10 +285,16 @@ def kill_prefiller_under_load(
                 status, hdrs, _ = client.post_json(
                     CHAT, body(long_text(sid, turn % 3)), {"x-session-id": sid}
                 )
-                records.append((started, status, hdrs.get(PREFILLED_BY, COLOCATED)))
+                if out is None:
+                    others.append(status)
+                else:
+                    out.append((started, status, hdrs.get(PREFILLED_BY, COLOCATED)))
             turn += 1
 
-    threads = [threading.Thread(target=load, args=(on_c1[i::2],)) for i in range(2)]
+    threads = [
+        threading.Thread(target=load, args=(on_c1, records)),
+        threading.Thread(target=load, args=(on_c2, None)),
+    ]
     for t in threads:
         t.start()
     try:
@@ -300,6 +314,7 @@ def kill_prefiller_under_load(
         stop.set()
         for t in threads:
             t.join(30)
+    assert others and set(others) == {200}, collections.Counter(others)
     return killed_at, list(records)
 
 
