@@ -26,6 +26,14 @@ def rss_bytes(pid: int) -> int:
     raise ValueError(f"no VmRSS for pid {pid}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far (/proc/<pid>/stat, Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        # Fields after the command name, which is in parentheses and may hold spaces.
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

@@ -16,6 +16,7 @@ def test_each_design_starts_and_applies_one_added_cluster(design: Design, tmp_pa
     row = measure_envoy(20, 2, design, tmp_path, ready_timeout=120, reload_timeout=120)
     assert row.skipped is None
     assert row.ready_s is not None and row.rss_mb is not None
+    assert row.ready_cpu_s is not None and row.ready_cpu_s > 0  # read from Envoy's /proc
     assert row.reload_s is not None, "Envoy never held the added cluster's endpoints"
     # pairs: 20 clusters, the fallback, 20 x 19 aggregates; the pools: one cluster.
     assert row.envoy_clusters == (20 + 1 + 20 * 19 if design == "pairs" else 1)
