@@ -271,12 +271,12 @@ class _Vector:
         """
         y = self.premixed(point)
         bi = int(y.argmax())
-        yb = int(y[bi])
+        yb: int = y.item(bi)  # .item: a Python int at once, no numpy scalar in between
         y[bi] = 0
         si = int(y.argmax())
-        ys = int(y[si])
+        ys: int = y.item(si)
         y[si] = 0
-        hc = int(y[int(y.argmax())]) >> _LOW
+        hc = y.item(int(y.argmax())) >> _LOW
         hb, hs = yb >> _LOW, ys >> _LOW
         zb, zs = float(yb ^ (yb >> 31)), float(ys ^ (ys >> 31))
         if hb > hs > hc and zb > zs > float((hc + 1) << _LOW):
