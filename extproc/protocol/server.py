@@ -74,6 +74,39 @@ def _header_map(headers: Any) -> dict[str, str]:
 ENVOY_RESET_LINGER_S = 0.05
 
 
+async def _wait_or_leave(
+    answer: Waiting, requests: AsyncIterator[ep.ProcessingRequest]
+) -> tuple[Outcome | None, asyncio.Future[ep.ProcessingRequest] | None]:
+    """The wait's outcome, or None when the peer half-closes first. A graceful Envoy ends an
+    aborted request's stream with a half-close (ARCHITECTURE.md, "End of a stream"); a waiter
+    that did not read the stream would learn of it only from the reset that follows Envoy's
+    remote-close timeout (1 s), keeping its queue place meanwhile. With the outcome comes the
+    read started here, still pending, for the stream loop: Envoy sends nothing while a message
+    awaits its answer, but a message that arrives anyway is not lost."""
+    wait: asyncio.Future[Outcome] = asyncio.ensure_future(answer.resume())
+    read: asyncio.Future[ep.ProcessingRequest] = asyncio.ensure_future(anext(requests))
+    try:
+        await asyncio.wait((wait, read), return_when=asyncio.FIRST_COMPLETED)
+        if wait.done() or read.exception() is None:
+            return await wait, read
+    except BaseException:
+        wait.cancel()
+        read.cancel()
+        raise
+    ended = read.exception()  # the read ended first: a half-close, or a broken stream
+    wait.cancel()
+    await asyncio.wait((wait,))  # not `await wait`: that would take our own cancellation too
+    late = None if wait.cancelled() else wait.result()
+    if late is not None:
+        # Admitted just as the peer left: the loop answers it, so that the hold it carries is
+        # the stream's and the stream's end releases it.
+        return late, None
+    if isinstance(ended, StopAsyncIteration):
+        return None, None
+    assert ended is not None
+    raise ended
+
+
 class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(
         self,
@@ -121,8 +154,16 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         state = StreamState()
         self._active += 1
         self._metrics.streams_active.inc()
+        requests = aiter(request_iterator)
+        # A read a wait for budget started (_wait_or_leave), still to be taken by the loop.
+        pending: asyncio.Future[ep.ProcessingRequest] | None = None
         try:
-            async for request in request_iterator:
+            while True:
+                try:
+                    request = await (pending if pending is not None else anext(requests))
+                except StopAsyncIteration:
+                    break
+                pending = None
                 phase = request.WhichOneof("request")
                 handler = self._handlers.get(phase or "")
                 if handler is None:
@@ -134,9 +175,11 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                     # then answer the body message when the wait ends.
                     try:
                         yield responses.extend_message_timeout(answer.max_wait_s)
-                        outcome = await answer.resume()
+                        outcome, pending = await _wait_or_leave(answer, requests)
                     finally:
                         answer.cancel()  # the stream ended first: leave the queue
+                    if outcome is None:
+                        break  # the peer half-closed while the request waited: the client left
                     if state.waits_at_headers:
                         yield self._header_answer(state, outcome)
                     else:
@@ -159,6 +202,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             log.exception("ext_proc stream failed", extra={"request_id": state.request_id})
             raise
         finally:
+            if pending is not None:
+                pending.cancel()
             self._active -= 1
             self._metrics.streams_active.dec()
             hold, state.hold = state.hold, None
