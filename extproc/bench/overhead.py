@@ -379,7 +379,9 @@ class Bench:
         config = render_bootstrap(runtime, EnvoyOptions(mode=mode, access_log_path=None))
         front = self._envoy(f"front-{setup}", config, self.front_admin)
         wait_until(lambda: _healthy(self.front_admin), 20, "front envoy sees upstream healthy")
-        if setup != "bare":  # the bare processor has no health service: Envoy panic-routes to it
+        # The real processors answer Envoy's gRPC health checks; the bare one has no health
+        # service (Envoy panic-routes to it) and Envoy alone has no processor at all.
+        if processor is not None and setup != "bare":
             wait_until(
                 lambda: _healthy(self.front_admin, "extproc"), 60, "front envoy sees the processor"
             )
