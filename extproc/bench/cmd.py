@@ -14,7 +14,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "deps": ("extproc.bench.deps", "the dependency choices: protobuf libraries, aioredis"),
     "skew": ("extproc.bench.skew", "hot prefixes + a slow cluster: pure hashing vs load-aware"),
     "pd": ("extproc.bench.pd", "P/D: topology-aware vs blind prefill; P/D vs colocated burst"),
-    "pd-pools": ("extproc.sim.pd_pools", "P/D: prefill:decode ratios at 64 clusters (simulated)"),
+    "pd-pools": (
+        "extproc.sim.pd_pools",
+        "P/D: prefill:decode ratios at 64 clusters (fleet simulator runs)",
+    ),
     "layouts": ("extproc.bench.layouts", "a shared opening in each position: old vs chain key"),
     "wake": ("extproc.bench.wake", "waiters woken by releases: memory, Redis pub/sub, polling"),
     "scale": ("extproc.bench.scale", "16-512 clusters: pair aggregates vs one pool (issue 21)"),

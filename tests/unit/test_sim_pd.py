@@ -126,3 +126,23 @@ def test_the_ratio_sweep_is_runs_of_the_simulator(capsys: pytest.CaptureFixture[
         rows.append(pd_pools.row(layout, summary, "hash-2"))
     assert rows[0].startswith("| colocated |") and rows[0].endswith("| - | - |")
     assert rows[1].startswith("| 8:8 |") and "island" in rows[1]
+
+
+def test_clusters_of_several_engines_decode_remote_prefills_on_one_of_them() -> None:
+    """EngineCluster.serve_remote: the session's engine takes the KV; every request served,
+    none decoded on a prefill cluster, and the engines' evictions reach the cluster's count."""
+    shape = FleetShape(
+        16, spares=0, heterogeneous=False, utilisation=0.5, kv_share=0.05, seed=3, engines=2
+    )
+    _s, runs, prepared = _run(shape=shape)
+    run = runs["hash-2"]
+    pd = prepared.config.pd
+    assert pd is not None
+    ok = run.status == SERVED
+    assert ok.all()
+    prefill_ix = {i for i, role in enumerate(pd.roles) if role == PREFILL}
+    assert not set(run.served_on.tolist()) & prefill_ix
+    assert run.prefill_tier is not None and (run.prefill_tier == 1).sum() > 0
+    # A small KV share: the decode clusters' engines evict (0 if their count were lost).
+    decode_evictions = [e for i, e in enumerate(run.evictions) if i not in prefill_ix]
+    assert sum(decode_evictions) > 0
