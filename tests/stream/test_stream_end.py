@@ -41,6 +41,27 @@ async def served() -> AsyncIterator[tuple[Any, Any, Any, str]]:
         await gate.close()
 
 
+async def _holding(stub: Any, sid: str) -> Any:
+    """A stream whose request was admitted: it holds the class's one slot until it ends."""
+    call = stub.Process()
+    extra = {"x-session-id": sid, "x-tenant": "t"}
+    await asyncio.wait_for(call.write(headers_msg(CHAT, extra=extra)), STEP_TIMEOUT)
+    await asyncio.wait_for(call.read(), STEP_TIMEOUT)
+    await asyncio.wait_for(call.write(body_msg(BODY)), STEP_TIMEOUT)
+    routed(await asyncio.wait_for(call.read(), STEP_TIMEOUT))
+    return call
+
+
+async def _released(gate: Any) -> bool:
+    """Whether every hold is given back within a bounded wait (the release runs as the stream
+    ends, after the status the client saw)."""
+    for _ in range(200):
+        if gate.held == 0:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
 async def _queued(stub: Any, sid: str) -> Any:
     """A stream whose request waits for budget: headers answered, the body's answer pending
     behind the message-timer extension flow control sends first."""
@@ -58,12 +79,7 @@ async def test_a_half_close_while_waiting_for_budget_leaves_the_queue_at_once(
     served: tuple[Any, Any, Any, str],
 ) -> None:
     stub, gate, registry, sid = served
-    holder = stub.Process()
-    extra = {"x-session-id": sid, "x-tenant": "t"}
-    await asyncio.wait_for(holder.write(headers_msg(CHAT, extra=extra)), STEP_TIMEOUT)
-    await asyncio.wait_for(holder.read(), STEP_TIMEOUT)
-    await asyncio.wait_for(holder.write(body_msg(BODY)), STEP_TIMEOUT)
-    routed(await asyncio.wait_for(holder.read(), STEP_TIMEOUT))  # takes the class's one slot
+    holder = await _holding(stub, sid)
     waiter = await _queued(stub, sid)
     assert len(gate.waiters) == 1
     await asyncio.wait_for(waiter.done_writing(), STEP_TIMEOUT)  # the client aborted
@@ -73,11 +89,7 @@ async def test_a_half_close_while_waiting_for_budget_leaves_the_queue_at_once(
     assert gate.held == 1, "only the holder's request is held"
     await asyncio.wait_for(holder.done_writing(), STEP_TIMEOUT)
     assert await asyncio.wait_for(holder.code(), STEP_TIMEOUT) == grpc.StatusCode.OK
-    for _ in range(200):
-        if gate.held == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert gate.held == 0
+    assert await _released(gate)
 
 
 async def test_a_waiter_admitted_before_any_half_close_is_answered_and_released(
@@ -86,12 +98,7 @@ async def test_a_waiter_admitted_before_any_half_close_is_answered_and_released(
     """The watch does not disturb an ordinary wait: the release admits the waiter, which gets
     its routing answer, and its own end releases it."""
     stub, gate, registry, sid = served
-    holder = stub.Process()
-    extra = {"x-session-id": sid, "x-tenant": "t"}
-    await asyncio.wait_for(holder.write(headers_msg(CHAT, extra=extra)), STEP_TIMEOUT)
-    await asyncio.wait_for(holder.read(), STEP_TIMEOUT)
-    await asyncio.wait_for(holder.write(body_msg(BODY)), STEP_TIMEOUT)
-    routed(await asyncio.wait_for(holder.read(), STEP_TIMEOUT))
+    holder = await _holding(stub, sid)
     waiter = await _queued(stub, sid)
     await asyncio.wait_for(holder.done_writing(), STEP_TIMEOUT)  # the holder ends: a release
     assert await asyncio.wait_for(holder.code(), STEP_TIMEOUT) == grpc.StatusCode.OK
@@ -101,8 +108,4 @@ async def test_a_waiter_admitted_before_any_half_close_is_answered_and_released(
     await asyncio.wait_for(waiter.done_writing(), STEP_TIMEOUT)
     assert await asyncio.wait_for(waiter.read(), STEP_TIMEOUT) is grpc.aio.EOF
     assert await asyncio.wait_for(waiter.code(), STEP_TIMEOUT) == grpc.StatusCode.OK
-    for _ in range(200):
-        if gate.held == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert gate.held == 0
+    assert await _released(gate)
