@@ -11,6 +11,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from extproc.core import placement as placement_module
@@ -27,6 +28,7 @@ from extproc.core.placement import (
     mix64,
     weighted_score,
 )
+from extproc.sim.vector import ranking
 
 KEYS = 100_000
 
@@ -81,7 +83,17 @@ def test_primaries_and_secondaries_are_balanced(n: int, n_keys: int) -> None:
     ≈ ±2.5 % per cluster and the expected maximum over 64 clusters is ≈ 1.06: no hash meets
     1.05 there. 400k keys halve the noise (expected max ≈ 1.03), so the bound tests the hash.
     """
-    placed = place(equal(n), n_keys)
+    if n_keys > KEYS:
+        # 400k placements one by one cost minutes of CPU on a loaded 2-core CI machine (it hit
+        # the 300 s limit). The simulator's numpy evaluation is the same function, checked key
+        # by key against Rendezvous.top2 in test_sim_vector, so the statistics are the same.
+        top2 = ranking(np.array(points(n_keys), dtype=np.uint64), names(n), [1.0] * n, 2)
+        cluster = names(n)
+        placed = Placed(
+            tuple(cluster[i] for i in top2[:, 0]), tuple(cluster[i] for i in top2[:, 1])
+        )
+    else:
+        placed = place(equal(n), n_keys)
     assert max_over_mean(Counter(placed.primary), n) <= 1.05
     assert max_over_mean(Counter(s or "" for s in placed.secondary), n) <= 1.05
 

@@ -215,6 +215,9 @@ async def test_hang_ends_in_timeouts_and_dead_targets_in_transport_errors(
     assert [o.outcome for o in refused.outcomes] == ["transport"] * 2
 
 
+# The module's 10 s bound catches a hung replay; this test also imports matplotlib and draws two
+# plots, which took over 10 s on a loaded 2-core CI machine.
+@pytest.mark.timeout(120)
 async def test_burst_windows_split_short_ttft(sim: RunningSimCluster, tmp_path: Path) -> None:
     config = WorkloadConfig(
         seed=3,
