@@ -273,7 +273,11 @@ class Service:
         # file changes again, instead of logging the same errors every second.
         self._config_bytes = raw
         try:
-            fresh = runtime_from_bytes(raw, str(path), self.opts.overrides)
+            # Off the event loop: compiling a large fleet takes ~1 s of CPU on a busy machine, and
+            # every stream's decision waits on this loop (Envoy fails a request open after its
+            # message timeout). A thread still shares the GIL, but the interpreter switches
+            # every few milliseconds, so the loop keeps answering while the compile runs.
+            fresh = await asyncio.to_thread(runtime_from_bytes, raw, str(path), self.opts.overrides)
         except ConfigError as exc:
             self._reject(exc.problems)
             return False
@@ -291,7 +295,8 @@ class Service:
             # the union of old and new first, switch, and only then drop what the new config
             # removed.
             if cds:
-                write_cds_union(self.holder.current, fresh, cds)
+                # Rendering every cluster is CPU too: off the loop, as the compile above.
+                await asyncio.to_thread(write_cds_union, self.holder.current, fresh, cds)
             if self.xds is not None and self.eds is not None:
                 union_version = f"{old}+{fresh.version}"
                 self.eds.publish(union_version, union_endpoints(self.holder.current, fresh))
@@ -309,7 +314,7 @@ class Service:
         if cds or self.xds is not None:
             await asyncio.sleep(self.opts.cds_settle_s)
             if cds:
-                write_cds(fresh, cds)
+                await asyncio.to_thread(write_cds, fresh, cds)
             if self.xds is not None and self.eds is not None:
                 self.eds.publish(fresh.version, pool_endpoints(fresh))
                 self.xds.publish(fresh.version, dynamic_clusters(fresh))

@@ -5,6 +5,7 @@ Through the service's own reload, on its in-memory ledger."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import yaml
 from extproc.config import load_runtime
 from extproc.pipeline.explain import request_headers
 from extproc.pipeline.outcomes import Rejected, Routed
+from extproc.serve import service as service_module
 from extproc.serve.service import ServeOptions, Service
 from tests.support.flow import NO_PLACEMENT, refused_at_once
 
@@ -106,3 +108,21 @@ async def test_a_reload_keeps_running_requests_budgeted(service: Service) -> Non
         assert isinstance(r, Routed)
         await service.pipeline.release(r.hold)
     assert service.gate.held == 0
+
+
+async def test_the_reload_compiles_off_the_event_loop(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compile runs in a worker thread, so decisions keep flowing while it runs (the chaos
+    reload row failed requests open when the loop was blocked on a starved machine)."""
+    threads: list[int] = []
+    compile_runtime = service_module.runtime_from_bytes
+
+    def spy(*args: Any) -> Any:
+        threads.append(threading.get_ident())
+        return compile_runtime(*args)
+
+    monkeypatch.setattr(service_module, "runtime_from_bytes", spy)
+    await reload(service, ["c1", "c2", "c3"], 2)
+    assert threads and threading.get_ident() not in threads
+    assert isinstance(await decide(service, "after-reload"), Routed)
