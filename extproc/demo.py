@@ -22,7 +22,7 @@ from pathlib import Path
 import orjson
 
 from extproc.config import Runtime, load_runtime
-from extproc.core.facts import RequestFacts, parse_request
+from extproc.explain import explain_remote
 from extproc.harness.launch import Client, FleetStack
 
 SYSTEM_PROMPTS = (
@@ -120,17 +120,29 @@ class Demo:
         ]
         self.workers = workers
         self.turns: list[Turn] = []
+        # Each session's (primary, secondary) as the processor placed it while the fleet was whole.
+        self.placed: dict[int, tuple[str, str]] = {}
 
-    def _facts(self, path: str, body: bytes, headers: dict[str, str]) -> RequestFacts:
-        hdrs = {"content-type": "application/json", **headers}
-        facts = parse_request(path, hdrs, body, self.runtime.key_rules, self.runtime.parse_limits)
-        assert isinstance(facts, RequestFacts)
-        return facts
+    def _predict(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[str, str]:
+        """The live processor's own answer (its admin /explain, which changes nothing): a fresh
+        copy of the config would not know the shared openings the processor's chain sketch has
+        learnt, nor its affinity state, and would predict other keys for those sessions."""
+        admin = f"http://127.0.0.1:{self.stack.metrics_ports[0]}"
+        answer = explain_remote(admin, path, {"content-type": "application/json", **headers}, body)
+        primary, secondary = str(answer["primary"]), answer.get("secondary")
+        return primary, str(secondary) if secondary else primary
 
     def _one_turn(self, session: Session, turn: int, phase: str, client: Client) -> Turn:
         path, body, headers = session.next_body(turn)
-        placement = self.runtime.policy.route(self._facts(path, body, headers)).placement
         status, hdrs, data = client.post_json(path, body, headers)
+        # Asked after the turn: a conversation's key is fixed by its first turn (its opening may
+        # become common while other first turns run, and this one keeps the key it started
+        # with), so the processor's answer now is the one its later turns get. Outage and
+        # recovery turns are judged against the placement the session had while the fleet was
+        # whole: that is the pre-assigned secondary the failover must use.
+        if phase == "steady" or session.index not in self.placed:
+            self.placed[session.index] = self._predict(path, body, headers)
+        primary, secondary = self.placed[session.index]
         session.answered(turn)
         prompt, cached = _usage(session.api, data) if status == 200 else (0, 0)
         return Turn(
@@ -140,8 +152,8 @@ class Demo:
             session.model,
             status,
             hdrs.get("x-served-by", "-"),
-            placement.primary,
-            placement.secondary or placement.primary,
+            primary,
+            secondary,
             prompt,
             cached,
             phase,
