@@ -79,7 +79,7 @@ def crd_schemas() -> dict[SchemaKey, Json]:
     assert CRD_DIR.is_dir(), f"CRD schemas not found at {CRD_DIR}"
     index: dict[SchemaKey, Json] = {}
     for path in sorted(CRD_DIR.glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")):
+        for doc in yaml.load_all(path.read_text(encoding="utf-8"), Loader=yaml.CSafeLoader):
             if not doc or doc.get("kind") != "CustomResourceDefinition":
                 continue
             spec = doc["spec"]
@@ -94,40 +94,9 @@ def schema_key(obj: Json) -> SchemaKey:
     return group, version, obj["kind"]
 
 
-# Envoy Gateway's EnvoyProxy CRD is not among the vendored schemas. The renderer emits one
-# field of it, spec.bootstrap (Envoy Gateway's ProxyBootstrap: type Merge | Replace | JSONPatch,
-# value a YAML string of a Bootstrap); this schema states that much, strict like the others.
-HAND_SCHEMAS: dict[SchemaKey, Json] = {
-    ("gateway.envoyproxy.io", "v1alpha1", "EnvoyProxy"): _strict(
-        {
-            "type": "object",
-            "required": ["apiVersion", "kind", "metadata", "spec"],
-            "properties": {
-                "apiVersion": {"type": "string"},
-                "kind": {"type": "string"},
-                "metadata": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-                "spec": {
-                    "type": "object",
-                    "properties": {
-                        "bootstrap": {
-                            "type": "object",
-                            "required": ["type", "value"],
-                            "properties": {
-                                "type": {"enum": ["Merge", "Replace", "JSONPatch"]},
-                                "value": {"type": "string"},
-                            },
-                        }
-                    },
-                },
-            },
-        }
-    )
-}
-
-
 def validate_custom(obj: Json) -> None:
     key = schema_key(obj)
-    schema = crd_schemas().get(key) or HAND_SCHEMAS.get(key)
+    schema = crd_schemas().get(key)
     assert schema is not None, f"no CRD schema for {key} in {CRD_DIR}"
     errors = sorted(
         jsonschema.Draft7Validator(schema).iter_errors(obj), key=lambda e: list(e.absolute_path)
