@@ -54,6 +54,12 @@ The rules, first match wins:
    is usable (healthy, not pressured), else the first usable candidate; a fleet that is full
    everywhere leaves the budget to say no.
 
+Without load-aware affinity (``enabled: false``, the product default) the shell asks
+:func:`place_bounded` instead: rule 2 without migrations, then rule 4 judged on the share bound
+alone. No load report, in-flight count or hot-key rate is read there (they ride on the response
+phase, which affinity alone asks Envoy for), so the only states are *healthy* (probed clusters)
+and *over its share*; the placement counts are the processor's own.
+
 The secondary (Envoy's failover target) is always the first other candidate in hash order that
 is healthy and not pressured, or simply the next one when none is: with a quiet fleet that is
 exactly pure hashing's secondary.
@@ -314,6 +320,39 @@ def place(
         or primary
     )
     if target == primary:
+        return Decision(_placement(ranked, primary, judge), "primary")
+    return Decision(
+        _placement(ranked, target, judge),
+        "spilled",
+        Override(target, now + params.override_ttl_s),
+    )
+
+
+def place_bounded(
+    ranked: Sequence[str],
+    snapshot: FleetSnapshot,
+    session: SessionView,
+    now: float,
+    params: AffinityParams,
+) -> Decision:
+    """Bounded-load placement of new sessions with load-aware affinity off: an override is
+    followed (refreshed as in rule 2, never migrated); a new session whose hash primary is over
+    its share starts on the first healthy candidate in hash order within it ("spilled",
+    remembered); anything else stays on its hash primary. ``snapshot`` needs only health and
+    the recent-placement counts; with ``balance_factor`` 0 nothing is ever spilled."""
+    primary = ranked[0]
+    judge = _judge(ranked, snapshot, now, params)
+    override = session.override
+    if override is not None and override.expires_at > now and override.cluster in ranked:
+        return Decision(
+            _placement(ranked, override.cluster, judge),
+            "override",
+            _refreshed(override, now, params),
+        )
+    if session.seen or not judge.over_share(primary):
+        return Decision(_placement(ranked, primary, judge), "primary")
+    target = _first(ranked, lambda n: judge.healthy(n) and not judge.over_share(n))
+    if target is None or target == primary:
         return Decision(_placement(ranked, primary, judge), "primary")
     return Decision(
         _placement(ranked, target, judge),
