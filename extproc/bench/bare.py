@@ -13,6 +13,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from extproc.serve import allocator
 from extproc.serve.cmd import GRPC_EXPERIMENTS
 
 
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-body-bytes", type=int, default=32 << 20)
     args = parser.parse_args(argv)
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
+    # The same allocator settings as `extproc serve` (FLEET_MALLOC): a fair floor at large bodies.
+    allocator.tune(allocator.choice_from_env())
 
     import grpc
     import uvloop

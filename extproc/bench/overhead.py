@@ -186,6 +186,8 @@ class WrkResult:
     # Requests Envoy sent on without the processor (failure_mode open: the processor was not
     # healthy or its stream failed): such a run does not measure the processor.
     bypassed: int = 0
+    # The processor's minor page faults per request (tree_minor_faults).
+    faults_per_req: float | None = None
 
 
 _UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
@@ -213,19 +215,38 @@ def parse_wrk(out: str) -> tuple[int, float, float, float, int]:
 
 def tree_cpu_seconds(pid: int) -> float:
     """CPU of a process and its children (the workers of `serve --workers N`)."""
-    total = cpu_seconds(pid)
+    return sum(
+        (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime: fields 14 and 15 of stat
+        for fields in _tree_stats(pid)
+    )
+
+
+def tree_minor_faults(pid: int) -> int:
+    """Minor page faults of a process and its children: memory the kernel had to map in.
+    A large body served from memory given back to the kernel after the previous one costs one
+    per 4 KiB (serve/allocator.py)."""
+    return sum(int(fields[7]) for fields in _tree_stats(pid))  # minflt: field 10 of stat
+
+
+def _tree_stats(pid: int) -> list[list[str]]:
+    """The stat fields after the command name (field 3 on) of a process and its children."""
+    out = [_stat_fields(Path(f"/proc/{pid}/stat"))]
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = _stat_fields(stat)
         except OSError:
             continue  # the process ended while we looked
         if int(fields[1]) == pid:  # field 4 of stat, the parent pid
-            total += (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return total
+            out.append(fields)
+    return out
+
+
+def _stat_fields(stat: Path) -> list[str]:
+    return stat.read_text().rsplit(")", 1)[1].split()
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat_fields(Path(f"/proc/{pid}/stat"))
     # utime and stime are fields 14 and 15 of stat; after the ")" split they are 11 and 12.
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
@@ -419,15 +440,20 @@ class Bench:
         ]
         pid = processor.popen.pid if processor and processor.popen else None
         cpu0 = tree_cpu_seconds(pid) if pid else 0.0
+        faults0 = tree_minor_faults(pid) if pid else 0
         allowed0 = _envoy_counter(self.front_admin, FAILED_OPEN_STAT)
         out = subprocess.run(
             argv, capture_output=True, text=True, check=True, timeout=duration + 60
         ).stdout
         cpu1 = tree_cpu_seconds(pid) if pid else 0.0
+        faults = (tree_minor_faults(pid) - faults0) if pid else 0
         bypassed = _envoy_counter(self.front_admin, FAILED_OPEN_STAT) - allowed0
         requests, rps, p50, p99, errors = parse_wrk(out)
         cpu = (cpu1 - cpu0) / requests * 1e6 if pid and requests else None
-        return WrkResult(setup, size, connections, requests, rps, p50, p99, errors, cpu, bypassed)
+        per_req = faults / requests if pid and requests else None
+        return WrkResult(
+            setup, size, connections, requests, rps, p50, p99, errors, cpu, bypassed, per_req
+        )
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
@@ -562,9 +588,10 @@ def _remove_checkout(dest: Path) -> None:
 
 def _row(r: WrkResult) -> str:
     cpu = f"{r.proc_cpu_us_per_req:7.0f}" if r.proc_cpu_us_per_req is not None else "      -"
+    faults = f" faults/req={r.faults_per_req:.0f}" if r.faults_per_req is not None else ""
     return (
         f"{r.setup:8s} {r.size:>5s} c={r.connections:<3d} rps={r.rps:9.1f} p50={r.p50_ms:7.3f}ms "
-        f"p99={r.p99_ms:7.3f}ms cpu/req={cpu}us errors={r.errors}"
+        f"p99={r.p99_ms:7.3f}ms cpu/req={cpu}us{faults} errors={r.errors}"
         + (f" BYPASSED={r.bypassed}" if r.bypassed else "")
     )
 
@@ -606,6 +633,7 @@ def medians(results: list[WrkResult]) -> list[WrkResult]:
     out: list[WrkResult] = []
     for (setup, size, conns), rs in groups.items():
         cpus = [r.proc_cpu_us_per_req for r in rs if r.proc_cpu_us_per_req is not None]
+        faults = [r.faults_per_req for r in rs if r.faults_per_req is not None]
         out.append(
             WrkResult(
                 setup,
@@ -618,6 +646,7 @@ def medians(results: list[WrkResult]) -> list[WrkResult]:
                 sum(r.errors for r in rs),
                 mid(cpus) if cpus else None,
                 sum(r.bypassed for r in rs),
+                mid(faults) if faults else None,
             )
         )
     return out
@@ -673,6 +702,7 @@ def summarize(results: list[WrkResult]) -> list[str]:
     if len(lines) == 2:
         lines = []  # envoy / bare not run (--setups): no such rows
     lines += _header_cpu_growth(by)
+    lines += _fault_lines(by)
     multi = sorted({r.setup for r in results if r.setup.startswith(WORKER_SETUP)})
     lines += _against_extproc(by, multi, "rps: extproc (1 worker) / ", with_ratio=True)
     extras = sorted({r.setup for r in results if "+" in r.setup})
@@ -724,6 +754,33 @@ def _header_cpu_growth(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
         ratio = _ratio(r.proc_cpu_us_per_req, small.proc_cpu_us_per_req)
         out.append(f"header path, {size} ÷ 1KB CPU per request at {conns} connections: {ratio}")
     return ["", *out] if out else []
+
+
+def _fault_lines(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
+    """Minor page faults per request of each processor: a large body whose buffers the
+    allocator maps in afresh pays one per 4 KiB, and on a VM their cost varies from run to run
+    (serve/allocator.py; ``FLEET_MALLOC=glibc`` runs every processor with glibc's defaults)."""
+    setups = [s for s in ("bare", "extproc", "header") if any(k[0] == s for k in by)]
+    cells = sorted(
+        {(size, conns) for (setup, size, conns) in by if setup in setups},
+        key=lambda k: (SIZES.get(k[0], 0), k[1]),
+    )
+    if not setups or not cells:
+        return []
+
+    def faults(setup: str, size: str, conns: int) -> str:
+        r = by.get((setup, size, conns))
+        return "-" if r is None or r.faults_per_req is None else f"{r.faults_per_req:.0f}"
+
+    lines = [
+        "",
+        f"| body | conns | minor page faults per request: {' / '.join(setups)} |",
+        "|---|---|---|",
+    ]
+    for size, conns in cells:
+        row = " / ".join(faults(s, size, conns) for s in setups)
+        lines.append(f"| {size} | {conns} | {row} |")
+    return lines
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,8 @@ import sys
 import time
 from types import FrameType
 
+from extproc.serve import allocator
+
 # grpcio's EventEngine paths cost more per exchange than the legacy poller on this workload
 # (ARCHITECTURE.md, "Decisions"). The switch is read when grpc initialises, so it must be set
 # before anything imports grpc; an operator's own GRPC_EXPERIMENTS wins (set it to "" to compare).
@@ -64,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info")
     parser.add_argument(
         "--no-uvloop", action="store_true", help="use the stock asyncio loop (for comparisons)"
+    )
+    parser.add_argument(
+        "--malloc",
+        choices=allocator.CHOICES,
+        default=None,
+        help="tuned: keep freed memory for the next large body instead of faulting it in again"
+        " (default); glibc: glibc's own settings (env FLEET_MALLOC)",
     )
 
 
@@ -157,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     workers = _workers(args)
     if workers > 1 and args.worker_index == 0 and "--worker-index" not in sys.argv:
         return _supervise(args, workers)
+    # Before the first request: every large body's buffers then reuse the heap's memory.
+    allocator.tune(args.malloc or allocator.choice_from_env())
     from extproc.config.runtime import Overrides
     from extproc.serve.service import ServeOptions, serve_forever
 
