@@ -58,6 +58,7 @@ BASELINE_PYTHON = (sys.executable, "-P")
 # The front Envoy's count of requests its ext_proc filter let through without the processor.
 FAILED_OPEN_STAT = "http.ingress.ext_proc.failure_mode_allowed"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 WRK_SCRIPT = """
 local f = io.open("{body}", "rb")
@@ -188,6 +189,8 @@ class WrkResult:
     bypassed: int = 0
     # The processor's minor page faults per request (tree_minor_faults).
     faults_per_req: float | None = None
+    # The processor's resident memory after the run, MB (all its processes).
+    rss_mb: float | None = None
 
 
 _UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
@@ -226,6 +229,11 @@ def tree_minor_faults(pid: int) -> int:
     A large body served from memory given back to the kernel after the previous one costs one
     per 4 KiB (serve/allocator.py)."""
     return sum(int(fields[7]) for fields in _tree_stats(pid))  # minflt: field 10 of stat
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and its children, MB (rss: field 24 of stat, in pages)."""
+    return sum(int(fields[21]) for fields in _tree_stats(pid)) * PAGE_SIZE / (1 << 20)
 
 
 def _tree_stats(pid: int) -> list[list[str]]:
@@ -451,8 +459,9 @@ class Bench:
         requests, rps, p50, p99, errors = parse_wrk(out)
         cpu = (cpu1 - cpu0) / requests * 1e6 if pid and requests else None
         per_req = faults / requests if pid and requests else None
+        rss = tree_rss_mb(pid) if pid else None
         return WrkResult(
-            setup, size, connections, requests, rps, p50, p99, errors, cpu, bypassed, per_req
+            setup, size, connections, requests, rps, p50, p99, errors, cpu, bypassed, per_req, rss
         )
 
     def stop_all(self) -> None:
@@ -589,6 +598,7 @@ def _remove_checkout(dest: Path) -> None:
 def _row(r: WrkResult) -> str:
     cpu = f"{r.proc_cpu_us_per_req:7.0f}" if r.proc_cpu_us_per_req is not None else "      -"
     faults = f" faults/req={r.faults_per_req:.0f}" if r.faults_per_req is not None else ""
+    faults += f" rss={r.rss_mb:.0f}MB" if r.rss_mb is not None else ""
     return (
         f"{r.setup:8s} {r.size:>5s} c={r.connections:<3d} rps={r.rps:9.1f} p50={r.p50_ms:7.3f}ms "
         f"p99={r.p99_ms:7.3f}ms cpu/req={cpu}us{faults} errors={r.errors}"
@@ -634,6 +644,7 @@ def medians(results: list[WrkResult]) -> list[WrkResult]:
     for (setup, size, conns), rs in groups.items():
         cpus = [r.proc_cpu_us_per_req for r in rs if r.proc_cpu_us_per_req is not None]
         faults = [r.faults_per_req for r in rs if r.faults_per_req is not None]
+        rss = [r.rss_mb for r in rs if r.rss_mb is not None]
         out.append(
             WrkResult(
                 setup,
@@ -647,6 +658,7 @@ def medians(results: list[WrkResult]) -> list[WrkResult]:
                 mid(cpus) if cpus else None,
                 sum(r.bypassed for r in rs),
                 mid(faults) if faults else None,
+                max(rss) if rss else None,
             )
         )
     return out
@@ -768,18 +780,20 @@ def _fault_lines(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
     if not setups or not cells:
         return []
 
-    def faults(setup: str, size: str, conns: int) -> str:
-        r = by.get((setup, size, conns))
-        return "-" if r is None or r.faults_per_req is None else f"{r.faults_per_req:.0f}"
+    def cell(setup: str, size: str, conns: int, field: str) -> str:
+        value = getattr(by.get((setup, size, conns)), field, None)
+        return "-" if value is None else f"{value:.0f}"
 
     lines = [
         "",
-        f"| body | conns | minor page faults per request: {' / '.join(setups)} |",
-        "|---|---|---|",
+        f"| body | conns | minor page faults per request: {' / '.join(setups)} "
+        f"| RSS after the run, MB (highest round): {' / '.join(setups)} |",
+        "|---|---|---|---|",
     ]
     for size, conns in cells:
-        row = " / ".join(faults(s, size, conns) for s in setups)
-        lines.append(f"| {size} | {conns} | {row} |")
+        faults = " / ".join(cell(s, size, conns, "faults_per_req") for s in setups)
+        rss = " / ".join(cell(s, size, conns, "rss_mb") for s in setups)
+        lines.append(f"| {size} | {conns} | {faults} | {rss} |")
     return lines
 
 
