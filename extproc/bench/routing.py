@@ -32,7 +32,7 @@ from collections import Counter, defaultdict
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
@@ -58,6 +58,9 @@ from extproc.harness.trace import (
     working_set_tokens,
 )
 from extproc.harness.workload import BurstSpec, ReplayRequest, WorkloadConfig, generate_workload
+
+if TYPE_CHECKING:
+    from extproc.core.chains import Chain
 from extproc.render.envoy import Mode
 
 # The Envoy modes, plus the processor with engines.affinity: round_robin (clusters of several
@@ -741,20 +744,32 @@ def format_targets(found: Sequence[Target]) -> str:
 
 
 def key_split(
-    requests: Sequence[ReplayRequest], prefix_key: Literal["chain", "opening"], common_after: int
+    requests: Sequence[ReplayRequest],
+    prefix_key: Literal["chain", "opening"],
+    common_after: int,
+    causes: bool = False,
 ) -> str:
     """Sessions (>= 2 requests) whose requests the processor's own ``parse_request`` gives more
     than one key, as one replica sees the requests in arrival order: each split session lands
-    on more than one cluster whatever the placement. No Envoy, no clusters: not load-dependent."""
+    on more than one cluster whatever the placement. No Envoy, no clusters: not load-dependent.
+
+    ``causes``: also say, for each split session, why its first request keyed differently from
+    the session's first (whether it extends an earlier request of the session, which
+    grandfathering should have kept), and how many chains the sketch promoted."""
     from extproc.core.chains import ChainParams, ChainSketch
     from extproc.core.facts import ParseLimits, RequestFacts, parse_request
-    from extproc.core.keys import KeyRules
+    from extproc.core.keys import KeyRules, request_chain
 
     params = ChainParams(common_after=common_after)
-    rules = KeyRules(prefix_key=prefix_key, chain=params, sketch=ChainSketch(params))
+    sketch = ChainSketch(params)
+    rules = KeyRules(prefix_key=prefix_key, chain=params, sketch=sketch)
     keys: defaultdict[str, set[int]] = defaultdict(set)
     counts: Counter[str] = Counter()
     headed: dict[str, bool] = {}
+    chains: defaultdict[str, list[Chain]] = defaultdict(list)
+    first_key: dict[str, int] = {}
+    why: dict[str, str] = {}
+    promotions = 0
     ordered = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
     for n in ordered:
         request = requests[n]
@@ -765,17 +780,39 @@ def key_split(
         body = orjson.dumps(request.materialize())
         facts = parse_request(request.path, headers, body, rules, ParseLimits())
         if isinstance(facts, RequestFacts):
-            keys[sid].add(facts.session.point)
+            point = facts.session.point
+            keys[sid].add(point)
             counts[sid] += 1
             headed[sid] = "x-session-id" in headers
+            if causes and prefix_key == "chain" and not headed[sid]:
+                promotions += len(sketch.drain_promotions())
+                chain = request_chain(facts.api, orjson.loads(body), params)
+                if point != first_key.setdefault(sid, point) and sid not in why:
+                    why[sid] = _split_cause(chains[sid], chain)
+                chains[sid].append(chain)
     multi = [sid for sid, n in counts.items() if n >= 2]
     split = [sid for sid in multi if len(keys[sid]) > 1]
     bare = sum(1 for sid in multi if not headed[sid])
-    return (
+    summary = (
         f"{prefix_key} key (common_after {common_after}): {len(split)} of {len(multi)} sessions "
         f"with >= 2 requests get more than one key ({sum(1 for s in split if not headed[s])} "
         f"of the {bare} without a session header)"
     )
+    if not causes or prefix_key != "chain":
+        return summary
+    lines = [summary, f"  chains promoted (made common): {promotions}"]
+    lines += [f"  {cause}: {n}" for cause, n in sorted(Counter(why.values()).items())]
+    return "\n".join(lines)
+
+
+def _split_cause(earlier: Sequence[Chain], chain: Chain) -> str:
+    extends = any(
+        0 < c.stable <= len(chain.hashes) and chain.hashes[: c.stable] == c.hashes[: c.stable]
+        for c in earlier
+    )
+    if extends:
+        return "extends an earlier request of its session, keyed differently (leaf lost)"
+    return "extends no earlier request of its session (a new reader of a prefix made common)"
 
 
 # -- CLI ----------------------------------------------------------------------------------------
@@ -987,7 +1024,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"workload: {workload.description}")
         keys: tuple[Literal["chain", "opening"], ...] = ("opening", "chain")
         for key in keys:
-            print(key_split(workload.requests, key, args.common_after))
+            print(key_split(workload.requests, key, args.common_after, causes=True))
         return 0
     out_dir: Path = args.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)

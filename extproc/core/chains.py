@@ -33,6 +33,16 @@ opening (at the root) should be found fast; a document shared by a few requests 
 opening (RAG) should keep them together (one prefill of the document), and only a document
 that many conversations share spreads.
 
+Both rules also ask for a *share*: a group becomes common only if it carries more of the new
+conversations than ``nested_share`` of one cluster's fair share (``nested_share / clusters``),
+judged over the recent past; at the root, beyond chance (its count ``_Z`` Poisson deviations
+above what that share would give), so an opening that most conversations share is still found
+at its ``common_after``-th conversation. Without it, a document read by a few requests at a
+time with nothing before it (the Mooncake trace's sessions: a long shared prefix, then requests
+that differ, none extending another) became common at its fourth reader, and every later reader
+keyed past it onto another cluster: grandfathering cannot help there, since no later request
+contains an earlier one's leaf (72 of the trace's 205 header-less sessions split; 0 now).
+
 Memory is bounded: at most ``max_groups`` groups (least recently used dropped; each keeps at
 most ``max_rep_chunks`` chain hashes and ``nested_common_after`` leaves) and ``max_common``
 common chains (least recently used dropped).
@@ -45,6 +55,7 @@ replicas (:meth:`ChainSketch.merge`), which is how replicas converge
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +63,10 @@ from dataclasses import dataclass, field
 import orjson
 
 _HASH_BYTES = 8
+# Deviations above chance a root group's count must reach: with 4 conversations in a window, a
+# group at 2.5 % of the traffic gets there about once in 80 tries, an opening at 20 % or more
+# at its fourth conversation.
+_Z = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,14 +258,30 @@ class ChainSketch:
 
     def _ready(self, group: _Group, chain: Chain, node: KeyNode) -> bool:
         p = self.params
+        share = p.nested_share / max(1, p.clusters)
+        # The share is judged over the recent past: past twice the nested rule's window, a
+        # group's history is scaled down to that window (the ratio kept). An opening that
+        # trickled in for long (a canary of a new system prompt) and then takes the traffic
+        # is found within a few dozen conversations, not after hundreds.
+        half = max(1, int(p.nested_common_after / share))
+        window = self._conversations - group.born
+        if window > 2 * half:
+            group.conversations = group.conversations * half // window
+            group.born = self._conversations - half
+            window = half
+        expected = share * window
         nested = node.depth > 1 and chain.hashes[node.depth - 2] in self._common
         if not nested:
-            return group.conversations >= p.common_after
+            # A root group is a shared opening only if it carries more of the new
+            # conversations than a group at the nested rule's share would, beyond chance (a
+            # Poisson count ``_Z`` deviations above its expectation): a document read by a
+            # few conversations at a time, with nothing before it (a Mooncake session),
+            # stays on one cluster whatever its number of readers. An opening that most
+            # conversations share is still found at common_after of them.
+            return group.conversations >= max(p.common_after, expected + _Z * math.sqrt(expected))
         if group.conversations < p.nested_common_after:
             return False
-        share = p.nested_share / max(1, p.clusters)
-        window = self._conversations - group.born
-        return window >= p.nested_common_after / share and group.conversations >= share * window
+        return window >= p.nested_common_after / share and group.conversations >= expected
 
     def _apply(self, promotion: Promotion) -> None:
         first, *rest = promotion.chains

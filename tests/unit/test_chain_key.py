@@ -234,6 +234,73 @@ def test_requests_sharing_a_document_below_the_opening_stay_together(position: s
     assert len(plain) >= 770, "conversations without a document are their own sessions"
 
 
+def test_documents_with_nothing_before_them_keep_one_key_per_document() -> None:
+    # The Mooncake trace's sessions: requests that share a long document at the very start of
+    # the prompt and then differ (they are not turns: no request extends another). 40 such
+    # documents, 2.5 % of the conversations each (below the 5 % one cluster takes on 8).
+    # Session 27 counted only readers at the root: the fourth made the document "common" and
+    # every later reader keyed past it (72 of Mooncake's 205 header-less sessions split).
+    sketch = ChainSketch(ChainParams(clusters=8))
+    rules = rules_with(sketch)
+    rng = random.Random(21)
+    docs = [f"Document {d}\n" + text(rng, 6000) for d in range(40)]
+    by_doc: dict[int, set[bytes]] = defaultdict(set)
+    for n in range(1200):
+        d = rng.randrange(len(docs))
+        content = f"{docs[d]}\nQuestion {n}: {text(rng, 150)}"
+        body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+        by_doc[d].add(facts("/v1/chat/completions", body, rules).session.digest)
+    assert all(len(keys) == 1 for keys in by_doc.values()), {d: len(k) for d, k in by_doc.items()}
+    assert len({next(iter(k)) for k in by_doc.values()}) == len(docs)
+    assert sketch.common_count == 0
+
+
+@pytest.mark.parametrize(("openings", "within"), [(1, 4), (2, 4), (5, 4), (10, 20)])
+def test_openings_sharing_the_traffic_are_each_learnt_within_a_few_conversations(
+    openings: int, within: int
+) -> None:
+    # Root groups are judged by share too. An opening with >= 20 % of the conversations is
+    # found at its common_after-th (4); one with 10 % (twice the 5 % threshold on 8 clusters)
+    # needs more of them to stand out from chance.
+    sketch = ChainSketch(ChainParams(clusters=8))
+    rules = rules_with(sketch)
+    rng = random.Random(f"openings:{openings}")
+    heads = [f"Opening {o}\n" + text(rng, 4000) for o in range(openings)]
+    keys: dict[int, list[bytes]] = defaultdict(list)
+    for n in range(60 * openings):
+        o = n % openings
+        content = f"{heads[o]}\nQuestion {n}: {text(rng, 300)}"
+        body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+        keys[o].append(facts("/v1/chat/completions", body, rules).session.digest)
+    for o, seen in keys.items():
+        shared = sum(1 for key in seen if key == seen[0])
+        assert 4 <= shared <= within, f"opening {o}: {shared} conversations keyed on it"
+        assert len(set(seen[shared:])) == len(seen) - shared, "later ones key past it"
+
+
+def test_an_opening_that_trickled_in_is_learnt_fast_once_it_takes_the_traffic() -> None:
+    # A new system prompt on canary: 1 % of 3,000 conversations (kept on one cluster, below the
+    # share that one cluster takes), then all of them. The share is judged over the recent
+    # past, so the opening is learnt within a few conversations, not after hundreds.
+    sketch = ChainSketch(ChainParams(clusters=8))
+    rules = rules_with(sketch)
+    rng = random.Random(22)
+    canary = "Canary opening\n" + text(rng, 4000)
+    old = "Old opening\n" + text(rng, 4000)
+    for n in range(3000):
+        head = canary if n % 100 == 0 else old
+        body = {"model": "m", "messages": [{"role": "user", "content": f"{head}\nQ{n}"}]}
+        facts("/v1/chat/completions", body, rules)
+    keys = []
+    for n in range(200):
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": f"{canary}\nNew {n}: {text(rng, 200)}"}],
+        }
+        keys.append(facts("/v1/chat/completions", body, rules).session.digest)
+    assert len(set(keys[40:])) == len(keys) - 40, "spread after at most 40 conversations"
+
+
 def test_a_document_that_carries_too_much_of_the_traffic_is_spread() -> None:
     sketch = ChainSketch(ChainParams(clusters=8))
     rules = rules_with(sketch)
@@ -290,16 +357,26 @@ def test_garbage_in_the_shared_store_is_ignored(data: bytes) -> None:
 
 
 def test_memory_is_bounded_however_many_distinct_prompts() -> None:
-    params = ChainParams(max_groups=200, max_common=50, common_after=2)
+    # Every third prompt is unique (fills the groups); the others use one of 60 openings, each
+    # 1.1 % of the traffic: common on a fleet where that is a large share of one cluster's
+    # (nested_share 0.4 over 2,000 clusters: 0.02 %), so 60 promotions meet a cap of 50.
+    # (Until session 28 the openings differed past their first line, so nothing was shared and
+    # the common-chain cap was never reached.)
+    params = ChainParams(max_groups=200, max_common=50, common_after=2, clusters=2000)
     sketch = ChainSketch(params)
     rules = rules_with(sketch)
     rng = random.Random(13)
+    openings = [f"opening {o}\n" + text(random.Random(o), 300) for o in range(60)]
+    most_groups = 0
     for n in range(3000):
-        opening = f"opening {n % 500}\n" + text(rng, 300)
+        opening = text(rng, 300) if n % 3 == 0 else rng.choice(openings)
         body = {"model": "m", "messages": [{"role": "user", "content": f"{opening}\n\nQ{n}"}]}
         facts("/v1/chat/completions", body, rules)
         assert sketch.group_count <= 200
         assert sketch.common_count <= 50
+        most_groups = max(most_groups, sketch.group_count)
+    assert most_groups == 200, "unique prompts filled the bounded groups"
+    assert sketch.common_count == 50, "promotions filled the bounded common set"
 
 
 def test_cpu_is_bounded_whatever_the_body_size() -> None:

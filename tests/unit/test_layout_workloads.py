@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from extproc.bench import routing
-from extproc.bench.routing import key_split
+from extproc.bench.routing import _split_cause, key_split
 from extproc.config import compile_runtime, parse_config
+from extproc.core.chains import Chain
 from extproc.harness import replay_cmd
 from extproc.harness.replay import ClassBounds
 from extproc.harness.workload import ReplayRequest
@@ -71,13 +72,25 @@ def test_key_split_counts_sessions_whose_requests_get_more_than_one_key() -> Non
     assert key_split(requests, "opening", 4).startswith(
         "opening key (common_after 4): 0 of 3 sessions"
     )
-    # The chain key: after four conversations through the document it is a common opening, so
-    # the later requests of "doc" key deeper; the header session and the turns keep theirs.
+    # The chain key: "doc" is all the traffic the sketch counts (a header session is not
+    # counted), so after four conversations the document is a common opening and the later
+    # requests of "doc" key deeper; the header session and the turns keep theirs.
     assert key_split(requests, "chain", 4) == (
         "chain key (common_after 4): 1 of 3 sessions with >= 2 requests get more than one key "
         "(1 of the 2 without a session header)"
     )
+    assert key_split(requests, "chain", 4, causes=True).splitlines()[1:] == [
+        "  chains promoted (made common): 1",
+        "  extends no earlier request of its session (a new reader of a prefix made common): 1",
+    ]
     assert key_split(requests, "chain", 16).startswith("chain key (common_after 16): 0 of 3")
+
+
+def test_key_split_tells_a_lost_leaf_from_a_new_reader() -> None:
+    earlier = [Chain((1, 2, 3), 3)]
+    assert _split_cause(earlier, Chain((1, 2, 3, 4), 4)).startswith("extends an earlier request")
+    assert _split_cause(earlier, Chain((1, 2, 5), 3)).startswith("extends no earlier request")
+    assert _split_cause(earlier, Chain((1, 2), 2)).startswith("extends no earlier request")
 
 
 def test_bench_routing_no_wait_gives_the_429_contract_before_flow_control() -> None:
