@@ -7,6 +7,7 @@ import importlib
 
 BENCHES: dict[str, tuple[str, str]] = {
     "overhead": ("extproc.bench.overhead", "Envoy alone vs + bare processor vs + extproc"),
+    "profile": ("extproc.bench.profile", "where the processor's CPU goes through Envoy (perf)"),
     "handler": ("extproc.bench.handler", "the processor's CPU per request in process vs bare"),
     "routing": ("extproc.bench.routing", "round robin vs ring hash vs extproc on one workload"),
     "admission": ("extproc.bench.admission", "admission decision cost, memory vs Redis ledger"),
