@@ -133,6 +133,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._await_body = responses.CONTINUE_HEADERS
         self._await_chunked = responses.CONTINUE_HEADERS
         self._skip = responses.SKIP_REQUEST_BODY[False, False]
+        self._end_when_routed = False
         self._clock = clock
         # The whole phase contract, in one table. Phases we never ask Envoy for (see the
         # processing_mode we render) still get a pass-through answer so a mis-configured
@@ -185,8 +186,14 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                         yield self._header_answer(state, outcome)
                     else:
                         yield self._answer(state, outcome, responses.CONTINUE_BODY)
-                    continue
-                yield answer
+                else:
+                    yield answer
+                if state.finished:
+                    # Nothing more to read or to release: end the call with OK now (the
+                    # protocol's "close the stream: no more messages are needed"). Envoy
+                    # marks the exchange's processing complete and sends nothing further;
+                    # the stream costs no half-close exchange and no read of it.
+                    return
             # The peer half-closed. A graceful Envoy waits for our status: return now (OK).
             # Otherwise Envoy resets right behind its half-close: wait for that reset to cancel
             # us instead of answering with a status (ENVOY_RESET_LINGER_S).
@@ -283,6 +290,11 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._await_body = responses.continue_inference_headers(phases, usage)
         self._await_chunked = responses.continue_inference_headers(phases, usage, chunked=True)
         self._skip = responses.SKIP_REQUEST_BODY[phases, usage]
+        # A routed exchange that reads no response and holds nothing needs its stream no
+        # longer than its answer. Only with Envoy's graceful close: without it Envoy resets
+        # the stream at the exchange's end, and a status sent as that reset arrives is the
+        # grpc.aio leak ENVOY_RESET_LINGER_S avoids.
+        self._end_when_routed = not phases and runtime.envoy_graceful_close
         self._phases_for = runtime
 
     def _header_answer(self, state: StreamState, outcome: Outcome) -> ep.ProcessingResponse:
@@ -350,6 +362,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         ``skip_body``: a routing answer to the headers message (the header path)."""
         if isinstance(outcome, Routed):
             state.hold = outcome.hold
+            self._phase_answers()
+            hold = outcome.hold
+            state.finished = self._end_when_routed and (hold is None or not hold.held)
             if state.phases_skipped:
                 self._metrics.response_phases_skipped.labels("chunked_upload").inc()
             prefiller = outcome.prefill.address if outcome.prefill is not None else None

@@ -37,3 +37,6 @@ class StreamState:
     # An HTTP/1.1 chunked upload told to skip the response phases the processor would read
     # (responses.OBSERVE_CHUNKED_UPLOAD): counted once routed.
     phases_skipped: bool = False
+    # Answered for good: routed, holding nothing, no response phase asked for. The servicer
+    # ends the stream with OK right after the answer instead of waiting for Envoy's close.
+    finished: bool = False

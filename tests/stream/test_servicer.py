@@ -90,8 +90,11 @@ async def start() -> AsyncIterator[Callable[..., Awaitable[Processor]]]:
     servers: list[grpc.aio.Server] = []
     channels: list[grpc.aio.Channel] = []
 
-    async def _start(reset_linger_s: float = 0.0, **processor: Any) -> Processor:
-        cfg = parse_config(load_canonical(**processor), "compose/fleet.yaml")
+    async def _start(
+        reset_linger_s: float = 0.0, doc: dict[str, Any] | None = None, **processor: Any
+    ) -> Processor:
+        """The canonical fleet with these processor settings, or the fleet ``doc``."""
+        cfg = parse_config(doc or load_canonical(**processor), "compose/fleet.yaml")
         runtime = compile_runtime(cfg)
         registry = CollectorRegistry()
         metrics = Metrics(registry)
