@@ -17,13 +17,18 @@ from extproc.serve import allocator
 from extproc.serve.cmd import GRPC_EXPERIMENTS
 
 
-def bare_process(route: str) -> Callable[[AsyncIterator[Any], Any], AsyncIterator[Any]]:
+def bare_process(
+    route: str, header_path: bool = False
+) -> Callable[[AsyncIterator[Any], Any], AsyncIterator[Any]]:
     """The bare handler: constant answers, a routing header on the body's (no gRPC import:
-    ``bench handler`` drives it in process)."""
+    ``bench handler`` drives it in process). ``header_path``: the floor of the real header
+    path instead: the routing header on the headers' answer, the body turned off (mode
+    override), and the stream ended right after it, as the real processor ends a routed
+    exchange that holds nothing (one exchange per request)."""
     from envoy.config.core.v3 import base_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
     from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-    headers_answer = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
     common = ep.CommonResponse(clear_route_cache=True)
     common.header_mutation.set_headers.append(
         base_pb2.HeaderValueOption(
@@ -31,6 +36,20 @@ def bare_process(route: str) -> Callable[[AsyncIterator[Any], Any], AsyncIterato
             append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
         )
     )
+    if header_path:
+        mode = processing_mode_pb2.ProcessingMode
+        routed = ep.ProcessingResponse(
+            request_headers=ep.HeadersResponse(response=common),
+            mode_override=mode(request_body_mode=mode.NONE),
+        )
+
+        async def at_headers(requests: AsyncIterator[Any], _context: Any) -> AsyncIterator[Any]:
+            async for _request in requests:
+                yield routed
+                return
+
+        return at_headers
+    headers_answer = ep.ProcessingResponse(request_headers=ep.HeadersResponse())
     body_answer = ep.ProcessingResponse(request_body=ep.BodyResponse(response=common))
 
     async def process(requests: AsyncIterator[Any], _context: Any) -> AsyncIterator[Any]:
@@ -48,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--route", required=True, help="value of x-fleet-route to answer")
     parser.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    parser.add_argument(
+        "--header-path", action="store_true", help="one exchange: route at the headers, no body"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
     # The same allocator settings as `extproc serve` (FLEET_MALLOC): a fair floor at large bodies.
@@ -59,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from extproc.serve.service import grpc_options
 
-    process = bare_process(args.route)
+    process = bare_process(args.route, args.header_path)
 
     class Bare(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         # grpc.aio serves a stream-stream method as an async generator function only.

@@ -9,7 +9,10 @@ the same request (with a session header unless ``--no-session-header``):
 - ``extproc``: Envoy + the real processor on the body path (``processor.read_body: always``:
   parse, session key, classify, place, admit);
 - ``header``: the real processor on the header path (``read_body: when_needed``, the default):
-  decided at the headers from the session header and content-length, the body never sent.
+  decided at the headers from the session header and content-length, the body never sent;
+- ``bare-header``: the bare processor on the header path, the floor of ``header`` (one
+  exchange: the routing header and the body's mode override at the headers, then the stream's
+  end).
 
 The upstream is a second Envoy answering every request with a fixed JSON body
 (``direct_response``) once it has buffered the whole request, as an engine answers only after
@@ -44,7 +47,9 @@ from extproc.config import load_runtime
 from extproc.harness.launch import LOOPBACK, Proc, envoy_binary, free_port, http_get, wait_until
 from extproc.render.envoy import EnvoyOptions, Mode, ext_type, render_bootstrap
 
-SETUPS = ("envoy", "bare", "extproc", "header")
+SETUPS = ("envoy", "bare", "extproc", "header", "bare-header")
+# The bare processor on the header path (one exchange, no body): the header path's floor.
+BARE_HEADER = "bare-header"
 BASELINE_SETUP = "baseline"
 # `extproc-wN`: the real processor as N worker processes sharing the port (SO_REUSEPORT).
 WORKER_SETUP = "extproc-w"
@@ -354,7 +359,7 @@ class Bench:
 
     def start_setup(self, setup: str) -> tuple[Proc, Proc | None]:
         processor: Proc | None = None
-        if setup == "bare":
+        if setup in ("bare", BARE_HEADER):
             argv = [
                 sys.executable,
                 "-m",
@@ -364,7 +369,8 @@ class Bench:
                 "--route",
                 "c1__c2",
             ]
-            processor = Proc("bare", argv, self.workdir / "bare.log")
+            argv += ["--header-path"] if setup == BARE_HEADER else []
+            processor = Proc(setup, argv, self.workdir / f"{setup}.log")
         elif setup == BASELINE_SETUP:
             assert self.baseline_src is not None
             # -P: `python -m` otherwise puts the working directory first on sys.path, and run
@@ -410,7 +416,7 @@ class Bench:
         wait_until(lambda: _healthy(self.front_admin), 20, "front envoy sees upstream healthy")
         # The real processors answer Envoy's gRPC health checks; the bare one has no health
         # service (Envoy panic-routes to it) and Envoy alone has no processor at all.
-        if processor is not None and setup != "bare":
+        if processor is not None and setup not in ("bare", BARE_HEADER):
             wait_until(
                 lambda: _healthy(self.front_admin, "extproc"), 60, "front envoy sees the processor"
             )
@@ -715,6 +721,7 @@ def summarize(results: list[WrkResult]) -> list[str]:
         lines = []  # envoy / bare not run (--setups): no such rows
     lines += _header_cpu_growth(by)
     lines += _fault_lines(by)
+    lines += _header_floor(by)
     multi = sorted({r.setup for r in results if r.setup.startswith(WORKER_SETUP)})
     lines += _against_extproc(by, multi, "rps: extproc (1 worker) / ", with_ratio=True)
     extras = sorted({r.setup for r in results if "+" in r.setup})
@@ -795,6 +802,28 @@ def _fault_lines(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
         rss = " / ".join(cell(s, size, conns, "rss_mb") for s in setups)
         lines.append(f"| {size} | {conns} | {faults} | {rss} |")
     return lines
+
+
+def _header_floor(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
+    """The header path beside its floor, the bare processor answering at the headers."""
+    lines = [
+        "",
+        "| body | conns | added p50 ms: bare-header / header | rps ÷ Envoy alone: bare-header"
+        " / header | processor CPU us/req: bare-header / header | header ÷ bare-header CPU |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (setup, size, conns), floor in by.items():
+        envoy, head = by.get(("envoy", size, conns)), by.get(("header", size, conns))
+        if setup != BARE_HEADER or envoy is None or head is None:
+            continue
+        lines.append(
+            f"| {size} | {conns} | {floor.p50_ms - envoy.p50_ms:.3f} / "
+            f"{head.p50_ms - envoy.p50_ms:.3f} | {floor.rps / envoy.rps:.2f} / "
+            f"{head.rps / envoy.rps:.2f} | {floor.proc_cpu_us_per_req or 0:.0f} / "
+            f"{head.proc_cpu_us_per_req or 0:.0f} | "
+            f"{_ratio(head.proc_cpu_us_per_req, floor.proc_cpu_us_per_req)} |"
+        )
+    return lines if len(lines) > 3 else []
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
