@@ -46,10 +46,13 @@ import yaml
 from extproc.config import load_runtime
 from extproc.harness.launch import LOOPBACK, Proc, envoy_binary, free_port, http_get, wait_until
 from extproc.render.envoy import EnvoyOptions, Mode, ext_type, render_bootstrap
+from extproc.serve import allocator
 
 SETUPS = ("envoy", "bare", "extproc", "header", "bare-header")
 # The bare processor on the header path (one exchange, no body): the header path's floor.
 BARE_HEADER = "bare-header"
+# "bare@glibc" etc.: a set-up whose processor runs with another allocator setting (--malloc).
+MALLOC_SEP = "@"
 BASELINE_SETUP = "baseline"
 # `extproc-wN`: the real processor as N worker processes sharing the port (SO_REUSEPORT).
 WORKER_SETUP = "extproc-w"
@@ -358,6 +361,8 @@ class Bench:
         wait_until(lambda: _ok(self.up_admin, "/ready"), 30, "upstream ready")
 
     def start_setup(self, setup: str) -> tuple[Proc, Proc | None]:
+        # "<set-up>@glibc": the same set-up, its processor on glibc's malloc defaults.
+        setup, _, malloc = setup.partition(MALLOC_SEP)
         processor: Proc | None = None
         if setup in ("bare", BARE_HEADER):
             argv = [
@@ -398,6 +403,8 @@ class Bench:
             ]
             processor = Proc(setup, argv, self.workdir / f"{setup}.log")
         if processor is not None:
+            if malloc:
+                processor.env = {**(processor.env or {}), allocator.ENV: malloc}
             processor.start()
             self.procs.append(processor)
             expected = (
@@ -519,6 +526,7 @@ def run_bench(
     setups_wanted: list[str] | None = None,
     rounds: int = 1,
     session_header: bool = True,
+    mallocs: list[str] | None = None,
 ) -> list[WrkResult]:
     wrk = shutil.which("wrk")
     if not wrk:
@@ -534,6 +542,13 @@ def run_bench(
             setups = list(setups_wanted or SETUPS) + ([BASELINE_SETUP] if baseline_src else [])
             setups += [f"{WORKER_SETUP}{n}" for n in (workers or []) if n > 1]
             setups += [f"extproc+{v}" for v in (variants or [])]
+            setups += [
+                f"{s}{MALLOC_SEP}{m}"
+                for m in (mallocs or [])
+                if m != allocator.TUNED
+                for s in list(setups)
+                if s in ("bare", "extproc", "header", BARE_HEADER)
+            ]
             # Several rounds in alternating order: a machine whose load drifts during the run
             # then favours no set-up; the summary takes each figure's median over the rounds.
             order = [
@@ -722,6 +737,7 @@ def summarize(results: list[WrkResult]) -> list[str]:
     lines += _header_cpu_growth(by)
     lines += _fault_lines(by)
     lines += _header_floor(by)
+    lines += _allocator_lines(by)
     multi = sorted({r.setup for r in results if r.setup.startswith(WORKER_SETUP)})
     lines += _against_extproc(by, multi, "rps: extproc (1 worker) / ", with_ratio=True)
     extras = sorted({r.setup for r in results if "+" in r.setup})
@@ -826,6 +842,38 @@ def _header_floor(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
     return lines if len(lines) > 3 else []
 
 
+def _allocator_lines(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
+    """Each processor with the tuned allocator beside itself on another setting (--malloc)."""
+    pairs = [
+        (by[(base, size, conns)], other)
+        for (setup, size, conns), other in by.items()
+        for base in [setup.partition(MALLOC_SEP)[0]]
+        if base != setup and (base, size, conns) in by
+    ]
+    if not pairs:
+        return []
+    lines = [
+        "",
+        "| set-up | body | conns | allocator | CPU us/req | ÷ tuned | faults/req | RSS MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def fmt(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    for tuned, other in sorted(
+        pairs, key=lambda p: (p[0].setup, SIZES[p[0].size], p[0].connections)
+    ):
+        for r, name in ((tuned, allocator.TUNED), (other, other.setup.partition(MALLOC_SEP)[2])):
+            lines.append(
+                f"| {tuned.setup} | {r.size} | {r.connections} | {name} "
+                f"| {fmt(r.proc_cpu_us_per_req)} "
+                f"| {_ratio(r.proc_cpu_us_per_req, tuned.proc_cpu_us_per_req)} "
+                f"| {fmt(r.faults_per_req)} | {fmt(r.rss_mb)} |"
+            )
+    return lines
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run")
     parser.add_argument("--warmup", type=float, default=1.0)
@@ -862,6 +910,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send no x-session-id (the body path keys by the prompt; nothing takes the header"
         " path)",
     )
+    parser.add_argument(
+        "--malloc",
+        default=allocator.TUNED,
+        help="allocator settings to run every processor with, comma-separated: tuned (what"
+        " `extproc serve` sets, the default) and/or glibc (glibc's defaults, FLEET_MALLOC=glibc):"
+        " 'tuned,glibc' runs both side by side",
+    )
     parser.add_argument("--json-out", default="out/bench/overhead.json")
 
 
@@ -882,6 +937,10 @@ def run(args: argparse.Namespace) -> int:
     if any(s not in SETUPS for s in setups):
         print(f"unknown set-ups {setups}; choose from {list(SETUPS)}", file=sys.stderr)
         return 2
+    mallocs = [m for m in args.malloc.split(",") if m]
+    if any(m not in allocator.CHOICES for m in mallocs):
+        print(f"unknown --malloc {mallocs}; choose from {allocator.CHOICES}", file=sys.stderr)
+        return 2
     results = run_bench(
         args.duration,
         sizes,
@@ -893,6 +952,7 @@ def run(args: argparse.Namespace) -> int:
         setups,
         args.rounds,
         args.session_header,
+        mallocs,
     )
     print("\n".join(summarize(results)))
     out = Path(args.json_out)

@@ -37,3 +37,19 @@ def test_summary_reports_faults_and_rss_per_processor() -> None:
     assert "bare / extproc / header" in lines[head]
     assert lines[head + 2] == "| 1KB | 1 | 0 / 0 / 0 | 150 / 150 / 150 |"
     assert lines[head + 3] == "| 4MiB | 1 | 2048 / 2048 / 2048 | 150 / 150 / 150 |"
+
+
+def test_allocator_table_sets_each_processor_beside_itself_on_glibc() -> None:
+    results = [
+        _result(setup, "4MiB", 1, 2048.0 if setup.endswith("@glibc") else 3.0)
+        for setup in ("envoy", "bare", "extproc", "bare@glibc", "extproc@glibc")
+    ]
+    results[3].proc_cpu_us_per_req = 1000.0  # bare on glibc's defaults: twice the CPU
+    lines = summarize(results)
+    head = next(i for i, line in enumerate(lines) if "| allocator |" in line)
+    assert lines[head + 2 : head + 6] == [
+        "| bare | 4MiB | 1 | tuned | 500 | 1.00 | 3 | 150 |",
+        "| bare | 4MiB | 1 | glibc | 1000 | 2.00 | 2048 | 150 |",
+        "| extproc | 4MiB | 1 | tuned | 500 | 1.00 | 3 | 150 |",
+        "| extproc | 4MiB | 1 | glibc | 500 | 1.00 | 2048 | 150 |",
+    ]
