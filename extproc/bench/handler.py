@@ -223,6 +223,10 @@ def run(args: argparse.Namespace) -> int:
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise SystemExit(f"unknown sizes {unknown}; choose from {', '.join(SIZES)}")
+    # As `extproc serve` does at start (FLEET_MALLOC): large bodies reuse the heap's memory.
+    from extproc.serve import allocator
+
+    allocator.tune(allocator.choice_from_env())
     rows = asyncio.run(_handler_rows(sizes, args.repeat, args.profile, args.read_body))
     print(f"handler CPU per request (read_body: {args.read_body}), µs:")
     print(f"{'size':>6} {'bare':>9} {'extproc':>9} {'added':>9}")

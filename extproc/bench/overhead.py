@@ -199,6 +199,9 @@ class WrkResult:
     faults_per_req: float | None = None
     # The processor's resident memory after the run, MB (all its processes).
     rss_mb: float | None = None
+    # The processor's CPU while Envoy sent it no request (health checks, timers), ms per
+    # second, measured once per set-up and round with --idle-seconds.
+    idle_cpu_ms_per_s: float | None = None
 
 
 _UNITS = {"us": 0.001, "ms": 1.0, "s": 1000.0}
@@ -246,14 +249,18 @@ def tree_rss_mb(pid: int) -> float:
 
 def _tree_stats(pid: int) -> list[list[str]]:
     """The stat fields after the command name (field 3 on) of a process and its children."""
-    out = [_stat_fields(Path(f"/proc/{pid}/stat"))]
+    return [fields for _pid, fields in _tree(pid)]
+
+
+def _tree(pid: int) -> list[tuple[int, list[str]]]:
+    out = [(pid, _stat_fields(Path(f"/proc/{pid}/stat")))]
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = _stat_fields(stat)
         except OSError:
             continue  # the process ended while we looked
         if int(fields[1]) == pid:  # field 4 of stat, the parent pid
-            out.append(fields)
+            out.append((int(stat.parent.name), fields))
     return out
 
 
@@ -527,6 +534,7 @@ def run_bench(
     rounds: int = 1,
     session_header: bool = True,
     mallocs: list[str] | None = None,
+    idle_seconds: float = 0.0,
 ) -> list[WrkResult]:
     wrk = shutil.which("wrk")
     if not wrk:
@@ -558,6 +566,7 @@ def run_bench(
             ]
             for setup in order:
                 front, processor = bench.start_setup(setup)
+                idle = _idle_rate(processor, idle_seconds) if idle_seconds > 0 else None
                 for size in sizes:
                     # Warm-up: connection pools, the processor's first streams, page cache;
                     # again while Envoy still sends requests on without the processor (its
@@ -568,6 +577,7 @@ def run_bench(
                             break
                     for conns in connections:
                         result = bench.run_wrk(setup, size, conns, processor)
+                        result.idle_cpu_ms_per_s = idle
                         results.append(result)
                         print(_row(result), file=sys.stderr, flush=True)
                 front.stop()
@@ -580,6 +590,32 @@ def run_bench(
             if baseline_src is not None:
                 _remove_checkout(baseline_src)
     return results
+
+
+def _idle_rate(processor: Proc | None, seconds: float) -> float | None:
+    """The processor's CPU in ms per second while no request arrives: Envoy's health checks
+    and the processor's own timers. Spread over the requests of a run, it weighs on a slow
+    one (a 16 MiB request at ~20/s) far more than on a fast one (1 KB at ~1,000/s)."""
+    if processor is None or processor.popen is None:
+        return None
+    pid = processor.popen.pid
+    time.sleep(1.0)  # the start's own work (first health checks, connections) settles
+    start, t0 = tree_cpu_ns(pid), time.perf_counter()
+    time.sleep(seconds)
+    return (tree_cpu_ns(pid) - start) / 1e6 / (time.perf_counter() - t0)
+
+
+def tree_cpu_ns(pid: int) -> int:
+    """CPU of a process and its children in ns, from every thread's schedstat (stat's clock
+    ticks, 10 ms, are too coarse for an idle process's few ms per second)."""
+    total = 0
+    for one, _fields in _tree(pid):
+        for task in Path(f"/proc/{one}/task").glob("*/schedstat"):
+            try:
+                total += int(task.read_text().split()[0])
+            except OSError:
+                continue  # the thread ended while we looked
+    return total
 
 
 def assert_runs_from(tree: Path, env: dict[str, str]) -> None:
@@ -666,6 +702,7 @@ def medians(results: list[WrkResult]) -> list[WrkResult]:
         cpus = [r.proc_cpu_us_per_req for r in rs if r.proc_cpu_us_per_req is not None]
         faults = [r.faults_per_req for r in rs if r.faults_per_req is not None]
         rss = [r.rss_mb for r in rs if r.rss_mb is not None]
+        idle = [r.idle_cpu_ms_per_s for r in rs if r.idle_cpu_ms_per_s is not None]
         out.append(
             WrkResult(
                 setup,
@@ -680,6 +717,7 @@ def medians(results: list[WrkResult]) -> list[WrkResult]:
                 sum(r.bypassed for r in rs),
                 mid(faults) if faults else None,
                 max(rss) if rss else None,
+                mid(idle) if idle else None,
             )
         )
     return out
@@ -787,8 +825,22 @@ def _header_cpu_growth(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
         if setup != "header" or size == "1KB" or small is None:
             continue
         ratio = _ratio(r.proc_cpu_us_per_req, small.proc_cpu_us_per_req)
-        out.append(f"header path, {size} ÷ 1KB CPU per request at {conns} connections: {ratio}")
+        line = f"header path, {size} ÷ 1KB CPU per request at {conns} connections: {ratio}"
+        net, net_small = _net_of_idle(r), _net_of_idle(small)
+        if net is not None and net_small is not None:
+            line += (
+                f" ({_ratio(net, net_small)} net of the processor's idle CPU,"
+                f" {r.idle_cpu_ms_per_s:.1f} ms/s: {net:.0f} against {net_small:.0f} us)"
+            )
+        out.append(line)
     return ["", *out] if out else []
+
+
+def _net_of_idle(r: WrkResult) -> float | None:
+    """CPU per request less the idle rate's share of it (--idle-seconds)."""
+    if r.proc_cpu_us_per_req is None or r.idle_cpu_ms_per_s is None or not r.rps:
+        return None
+    return r.proc_cpu_us_per_req - r.idle_cpu_ms_per_s * 1000 / r.rps
 
 
 def _fault_lines(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
@@ -917,6 +969,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " `extproc serve` sets, the default) and/or glibc (glibc's defaults, FLEET_MALLOC=glibc):"
         " 'tuned,glibc' runs both side by side",
     )
+    parser.add_argument(
+        "--idle-seconds",
+        type=float,
+        default=0.0,
+        help="measure each processor's CPU this long with no request (health checks, timers)"
+        " after it starts; the header path's growth with body size is then also given net of it",
+    )
     parser.add_argument("--json-out", default="out/bench/overhead.json")
 
 
@@ -953,6 +1012,7 @@ def run(args: argparse.Namespace) -> int:
         args.rounds,
         args.session_header,
         mallocs,
+        args.idle_seconds,
     )
     print("\n".join(summarize(results)))
     out = Path(args.json_out)

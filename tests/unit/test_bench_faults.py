@@ -53,3 +53,14 @@ def test_allocator_table_sets_each_processor_beside_itself_on_glibc() -> None:
         "| extproc | 4MiB | 1 | tuned | 500 | 1.00 | 3 | 150 |",
         "| extproc | 4MiB | 1 | glibc | 500 | 1.00 | 2048 | 150 |",
     ]
+
+
+def test_header_growth_is_also_given_net_of_the_idle_rate() -> None:
+    small = WrkResult("header", "1KB", 1, 5000, 1000.0, 1.0, 2.0, 0, 500.0, 0, 0.0, 90.0, 4.0)
+    large = WrkResult("header", "16MiB", 1, 100, 20.0, 50.0, 60.0, 0, 1000.0, 0, 0.0, 90.0, 4.0)
+    lines = summarize([small, large])
+    # 4 ms/s of idle CPU is 4 us of a request at 1,000/s and 200 us of one at 20/s.
+    assert (
+        "header path, 16MiB ÷ 1KB CPU per request at 1 connections: 2.00"
+        " (1.61 net of the processor's idle CPU, 4.0 ms/s: 800 against 496 us)"
+    ) in lines
