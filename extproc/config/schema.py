@@ -190,7 +190,9 @@ class PrefixConfig(Strict):
     bytes_per_token: float = Field(default=4.0, gt=0)
     # Chain key: at most this many bytes of the canonical prompt are hashed (CPU bound).
     scan_bytes: int = Field(default=128 * 1024, ge=1024)
-    # Distinct conversations after which a shared opening becomes common (spread) ...
+    # Distinct conversations after which a shared opening becomes common (spread), if they
+    # are also more of the new conversations than chance gives a chain at nested_share of one
+    # cluster's fair share (a document read by a few requests at a time stays together) ...
     common_after: int = Field(default=4, ge=2)
     # ... and after which a chain below a common one (a shared document) may, if it also
     # carries more than nested_share of one cluster's fair share of new conversations.
