@@ -348,6 +348,12 @@ class AffinityConfig(Strict):
     # redis.replicas 1, or the replicas share overrides through redis.url), else off: with
     # several replicas and memory only, a later turn on another replica would go back to the
     # hash primary, away from its cache (extproc.config.runtime.balance_factor).
+    # Applies with `enabled` false too (extproc.core.affinity.place_bounded): its counts are the
+    # processor's own placements, so it needs no response phase; the session lookup it reads
+    # is the one flow control's placement makes anyway, and a spill costs one store write.
+    # Sessions named by a trusted header or body field are bounded too when new: a new
+    # conversation has no cache anywhere yet, so where it starts is free; once seen it never
+    # moves for balance (hot-key spreading, affinity-only, never applies to them).
     balance_factor: float | None = Field(default=None, ge=0)
     balance_half_life_s: float = Field(default=60.0, gt=0)
     # Response header naming the cluster that served (the simulated cluster sends it). With

@@ -67,7 +67,7 @@ exactly pure hashing's secondary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -329,33 +329,45 @@ def place(
 
 
 def place_bounded(
-    ranked: Sequence[str],
-    snapshot: FleetSnapshot,
+    hashed: Placement,
+    candidates: Collection[str],
+    ranked: Callable[[], Sequence[str]],
+    loads: Callable[[], FleetSnapshot],
     session: SessionView,
     now: float,
     params: AffinityParams,
+    within: int | None = None,
 ) -> Decision:
     """Bounded-load placement of new sessions with load-aware affinity off: an override is
     followed (refreshed as in rule 2, never migrated); a new session whose hash primary is over
     its share starts on the first healthy candidate in hash order within it ("spilled",
-    remembered); anything else stays on its hash primary. ``snapshot`` needs only health and
-    the recent-placement counts; with ``balance_factor`` 0 nothing is ever spilled."""
-    primary = ranked[0]
-    judge = _judge(ranked, snapshot, now, params)
+    remembered); anything else keeps pure hashing's placement, ``hashed`` (the top two of
+    ``ranked``). With ``balance_factor`` 0 nothing is ever spilled.
+
+    ``ranked`` (the candidates in hash order) and ``loads`` (health and the recent-placement
+    counts) are asked for only when a new session is judged: ranking every candidate and
+    building the snapshot cost more than the rest of the decision, and most requests are later
+    turns. ``candidates``: the same clusters, for the override's membership. ``within``: spill
+    among (and take the mean over) the first ``within`` candidates only (a LoRA adapter's
+    clusters that have it loaded, extproc.core.models.Candidates)."""
     override = session.override
-    if override is not None and override.expires_at > now and override.cluster in ranked:
-        return Decision(
-            _placement(ranked, override.cluster, judge),
-            "override",
-            _refreshed(override, now, params),
-        )
-    if session.seen or not judge.over_share(primary):
-        return Decision(_placement(ranked, primary, judge), "primary")
-    target = _first(ranked, lambda n: judge.healthy(n) and not judge.over_share(n))
-    if target is None or target == primary:
-        return Decision(_placement(ranked, primary, judge), "primary")
+    if override is not None and override.expires_at > now and override.cluster in candidates:
+        chosen = override.cluster
+        # Pure hashing's failover rule (the first other candidate in hash order).
+        secondary = hashed.secondary if chosen == hashed.primary else hashed.primary
+        return Decision(Placement(chosen, secondary), "override", _refreshed(override, now, params))
+    if session.seen or params.balance_factor <= 0:
+        return Decision(hashed, "primary")
+    order = ranked()
+    among = order[:within] if within else order
+    judge = _judge(among, loads(), now, params)
+    if not judge.over_share(hashed.primary):
+        return Decision(hashed, "primary")
+    target = _first(among, lambda n: judge.healthy(n) and not judge.over_share(n))
+    if target is None or target == hashed.primary:
+        return Decision(hashed, "primary")
     return Decision(
-        _placement(ranked, target, judge),
+        _placement(order, target, judge),
         "spilled",
         Override(target, now + params.override_ttl_s),
     )

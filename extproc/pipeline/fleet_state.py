@@ -350,11 +350,13 @@ class FleetState:
         salt: int = 0,
         *,
         record: bool = True,
+        hot: bool = True,
     ) -> SessionView:
         """Look the session up (and mark it seen); count the request toward hot-key rates.
 
         With ``record=False`` nothing is marked or counted, and the view is the one this request
-        would get: how ``explain`` previews a decision on the live state.
+        would get: how ``explain`` previews a decision on the live state. ``hot=False``: no
+        hot-key rate (only load-aware affinity spreads hot keys).
         """
         key = facts.session.digest
         ttl = params.new_session_ttl_s
@@ -374,14 +376,16 @@ class FleetState:
                 # Either store having seen it makes it existing (a restarted Redis forgets).
                 seen = seen or shared_seen
                 override = shared_override or override
-        hot = self.hot_keys(params)
+        if not hot:
+            return SessionView(seen=seen, override=override, salt=salt)
+        hot_keys = self.hot_keys(params)
         share = 0.0
         if record:
-            hot.observe(key, hash_primary, now)
+            hot_keys.observe(key, hash_primary, now)
             if facts.session.source is KeySource.PREFIX:
-                share = hot.share(key, hash_primary, now, params.hot_key_min_requests)
+                share = hot_keys.share(key, hash_primary, now, params.hot_key_min_requests)
         elif facts.session.source is KeySource.PREFIX:
-            share = hot.share_if_observed(key, hash_primary, now, params.hot_key_min_requests)
+            share = hot_keys.share_if_observed(key, hash_primary, now, params.hot_key_min_requests)
         return SessionView(seen=seen, override=override, key_share=share, salt=salt)
 
     async def remember(self, facts: RequestFacts, decision: Decision, now: float) -> None:

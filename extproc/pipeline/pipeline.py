@@ -29,7 +29,7 @@ from prometheus_client import Counter
 
 from extproc.config.runtime import Runtime
 from extproc.core.admission import Admitted, Demand, Reject, plan, request_tokens
-from extproc.core.affinity import Decision, Kind, Override, SessionView, place
+from extproc.core.affinity import Decision, Kind, Override, SessionView, place, place_bounded
 from extproc.core.api import Api, BadRequest, ErrorStyle, api_for_path, canonical_path
 from extproc.core.decide import Route, base_class_name
 from extproc.core.endpoints import adapter_engines, engine_key, pick_endpoints
@@ -37,9 +37,10 @@ from extproc.core.facts import RequestFacts, header_facts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
 from extproc.core.flow import placement_candidates, secondary_for
 from extproc.core.keys import KeySource
-from extproc.core.load import ORCA_HEADER, parse_load_headers
+from extproc.core.load import ORCA_HEADER, FleetSnapshot, parse_load_headers
 from extproc.core.models import (
     MODELS_PATH,
+    Candidates,
     ModelMiss,
     ModelUnavailable,
     UnknownModel,
@@ -346,9 +347,12 @@ class Pipeline:
                 # of the cluster that will serve it (affinity does the same through its load
                 # snapshot), and a P/D prefiller is chosen in that cluster's island.
                 route = self._around_unready(runtime, facts, route, record)
-            if runtime.flow.place_new_sessions and route.request_class.budget.enforced:
-                # Admission's placement needs to know new sessions from existing ones, and
-                # later turns must follow a placement: the session memory, without affinity.
+            if runtime.affinity.balance_factor > 0 or (
+                runtime.flow.place_new_sessions and route.request_class.budget.enforced
+            ):
+                # Bounded-load placement of new sessions, and admission's placement (which
+                # needs to know new sessions from existing ones), both need later turns to
+                # follow a placement: the session memory, without affinity.
                 route, kind, view = await self._follow_override(runtime, facts, route, now, record)
         prefill = self._choose_prefill(runtime, facts, route, now)
         if not record:
@@ -761,16 +765,44 @@ class Pipeline:
     async def _follow_override(
         self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool
     ) -> tuple[Route, Kind, SessionView]:
-        """Without load-aware affinity: mark the session seen and follow an earlier
-        placement's override (the session's cache is there)."""
-        cls = route.request_class
-        ranked = runtime.policy.placer(route).ranked(facts.session.point)
-        view = await self.fleet.view(facts, ranked[0], now, runtime.affinity, record=record)
-        override = view.override
-        if override is not None and override.cluster in ranked:
-            placement = Placement(override.cluster, secondary_for(ranked, override.cluster))
-            return Route(placement, cls, route.model), "override", view
-        return route, "primary", view
+        """Without load-aware affinity: mark the session seen, follow an earlier placement's
+        override (the session's cache is there), and with ``affinity.balance_factor`` start a
+        new session within the bound (extproc.core.affinity.place_bounded). The session
+        lookup is the one round trip admission's placement makes anyway; a spill adds one
+        write (a SET with Redis)."""
+        fleet = self.fleet
+        params = runtime.affinity
+        placer = runtime.policy.placer(route)
+        point = facts.session.point
+        hashed = placer.top2(point)
+        view = await fleet.view(facts, hashed.primary, now, params, record=record, hot=False)
+        balance = params.balance_half_life_s if params.balance_factor > 0 else None
+        ranked: list[str] = []
+
+        def order() -> list[str]:
+            if not ranked:
+                ranked.extend(placer.ranked(point))
+            return ranked
+
+        def loads() -> FleetSnapshot:
+            return fleet.load.snapshot(order(), now, self._ready_clusters(runtime), balance)
+
+        # A LoRA adapter's new session is bounded among the clusters that have it loaded: a
+        # spill onto one that must load it first would cost more than the evenness gains.
+        within = (
+            len(placer.preferred.names)
+            if isinstance(placer, Candidates) and placer.preferred is not None
+            else None
+        )
+        decision = place_bounded(hashed, placer.names, order, loads, view, now, params, within)
+        if decision.kind != "primary":
+            # Otherwise the hash placement stands (moved off an unready primary already).
+            route = Route(decision.placement, route.request_class, route.model)
+        if record:
+            if balance is not None:
+                fleet.load.placed(route.placement.primary, now, balance)
+            await fleet.remember(facts, decision, now)
+        return route, decision.kind, view
 
     async def _place(
         self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool

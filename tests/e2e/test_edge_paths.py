@@ -21,7 +21,7 @@ from extproc.config import load_runtime
 from extproc.harness.launch import LOOPBACK, FleetStack, wait_until
 from extproc.render.envoy import FALLBACK_CLUSTER
 from tests.e2e.conftest import dump_logs
-from tests.e2e.predict import placement_for
+from tests.e2e.predict import PURE_HASH, placement_for
 from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 CHAT = "/v1/chat/completions"
@@ -66,6 +66,8 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
             "classes": refused_at_once(CLASSES),
             "flow": NO_PLACEMENT,
             "session": {"tier_header": TIER_HEADER},
+            # Pure hashing predicts first turns (no balance spills): tests path spellings.
+            "affinity": PURE_HASH,
         },
     )
     with stack:

@@ -17,7 +17,7 @@ import pytest
 from extproc.config import load_runtime
 from extproc.harness.launch import FleetStack
 from tests.e2e.conftest import MakeClient, chat_body, dump_logs, kill_primary_then_restart
-from tests.e2e.predict import placement_for
+from tests.e2e.predict import PURE_HASH, placement_for
 
 CHAT = "/v1/chat/completions"
 
@@ -27,7 +27,8 @@ def picker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
     stack = FleetStack(
         tmp_path_factory.mktemp("epp"),
         clusters=3,
-        fleet_overrides={"processor": {"mode": "endpoint_picker"}},
+        # Pure hashing predicts first turns (no balance spills): tests endpoint picking.
+        fleet_overrides={"processor": {"mode": "endpoint_picker"}, "affinity": PURE_HASH},
     )
     with stack:
         yield stack

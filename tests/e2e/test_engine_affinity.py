@@ -18,7 +18,7 @@ from extproc.config import load_runtime
 from extproc.harness.launch import Client, FleetStack, SimSpec, wait_until
 from extproc.harness.sim_cluster import SERVED_BY, SERVED_BY_ENGINE
 from tests.e2e.conftest import MakeClient, dump_logs
-from tests.e2e.predict import placement_for
+from tests.e2e.predict import PURE_HASH, placement_for
 
 CHAT = "/v1/chat/completions"
 # Enough sessions per engine (~75) that the spread bound tests the hashing, not chance.
@@ -104,7 +104,8 @@ def engines3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         engines=3,
         dynamic_cds=True,
         sim_start_timeout_s=60,  # six engine processes start at once
-        fleet_overrides={"processor": {"inspect_usage": True}},
+        # Pure hashing predicts first turns (no balance spills): tests engine stickiness.
+        fleet_overrides={"processor": {"inspect_usage": True}, "affinity": PURE_HASH},
     )
     with stack:
         yield stack
@@ -267,7 +268,8 @@ def picker3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         tmp_path_factory.mktemp("picker3"),
         clusters=2,
         engines=3,
-        fleet_overrides={"processor": {"mode": "endpoint_picker"}},
+        # Pure hashing predicts first turns (no balance spills): tests engine stickiness.
+        fleet_overrides={"processor": {"mode": "endpoint_picker"}, "affinity": PURE_HASH},
         sim_start_timeout_s=60,
     )
     with stack:
@@ -332,6 +334,8 @@ def lora_fleet(
             "processor": {"mode": request.param},
             "models": [{"name": "sql-lora", "base": "m"}],
             "model_routing": {"discovery": True, "discovery_interval_s": 0.5},
+            # Pure hashing predicts first turns (no balance spills): tests an adapter's engines.
+            "affinity": PURE_HASH,
         },
         sim_start_timeout_s=60,
     )

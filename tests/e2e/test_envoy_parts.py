@@ -16,7 +16,7 @@ from extproc.harness.launch import LOOPBACK, FleetStack
 from extproc.render.envoy import EnvoyOptions
 from extproc.render.envoy_parts import render_part
 from tests.e2e.conftest import MakeClient, dump_logs
-from tests.e2e.predict import placement_for
+from tests.e2e.predict import PURE_HASH, placement_for
 
 CHAT = "/v1/chat/completions"
 
@@ -85,7 +85,12 @@ class HostStack(FleetStack):
 
 @pytest.fixture(scope="module")
 def hosted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
-    stack = HostStack(tmp_path_factory.mktemp("hosted"), clusters=3)
+    stack = HostStack(
+        tmp_path_factory.mktemp("hosted"),
+        clusters=3,
+        # Pure hashing predicts first turns (no balance spills): tests the drop-in parts.
+        fleet_overrides={"affinity": PURE_HASH},
+    )
     with stack:
         yield stack
 

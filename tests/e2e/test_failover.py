@@ -12,14 +12,19 @@ import pytest
 from extproc.config import load_runtime
 from extproc.harness.launch import FleetStack
 from tests.e2e.conftest import MakeClient, chat_body, dump_logs
-from tests.e2e.predict import placement_for
+from tests.e2e.predict import PURE_HASH, placement_for
 
 CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture
 def fleet3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
-    stack = FleetStack(tmp_path_factory.mktemp("fleet3"), clusters=3)
+    stack = FleetStack(
+        tmp_path_factory.mktemp("fleet3"),
+        clusters=3,
+        # Pure hashing predicts first turns (no balance spills): tests failover.
+        fleet_overrides={"affinity": PURE_HASH},
+    )
     with stack:
         yield stack
 

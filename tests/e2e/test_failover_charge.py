@@ -20,7 +20,7 @@ import pytest
 from extproc.config import load_runtime
 from extproc.harness.launch import Client, FleetStack, http_get, wait_until
 from tests.e2e.conftest import MakeClient, chat_body, dump_logs
-from tests.e2e.predict import placement_for
+from tests.e2e.predict import PURE_HASH, placement_for
 from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 CHAT = "/v1/chat/completions"
@@ -129,7 +129,8 @@ def defaults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         fleet_overrides={
             "classes": refused_at_once(CLASSES),
             "flow": NO_PLACEMENT,
-            "affinity": {"served_by_header": None},
+            # Pure hashing predicts first turns (no balance spills): tests failover charges.
+            "affinity": {"served_by_header": None, **PURE_HASH},
         },
     )
     with stack:

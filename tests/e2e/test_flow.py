@@ -33,7 +33,7 @@ from extproc.explain import explain_remote
 from extproc.harness.launch import Client, FleetStack, wait_until
 from extproc.render.gateway import gateway_message_timeout_ms
 from tests.e2e.conftest import dump_logs
-from tests.e2e.predict import facts_for
+from tests.e2e.predict import PURE_HASH, facts_for
 from tests.support.flow import NO_PLACEMENT
 from tests.support.redis_server import RedisServer
 
@@ -83,6 +83,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
                 "classes": CLASSES,
                 "redis": {"url": redis_server.url, "replicas": 2, "timeout_ms": 500},
                 "flow": {"place_new_sessions": True, "redis_poll_ms": 30_000},
+                # Pure hashing predicts first turns (no balance spills): tests flow control.
+                "affinity": PURE_HASH,
             },
         )
         with running:
@@ -374,6 +376,8 @@ def gateway(
             "processor": {"message_timeout_ms": ProcessorConfig().message_timeout_ms},
             "classes": CLASSES,
             "flow": NO_PLACEMENT,
+            # Pure hashing predicts first turns (no balance spills): tests the gateway's timer.
+            "affinity": PURE_HASH,
         },
     )
     with running:

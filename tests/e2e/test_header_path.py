@@ -16,7 +16,7 @@ import pytest
 from extproc.config import load_runtime
 from extproc.harness.launch import LOOPBACK, Client, FleetStack, wait_until
 from tests.e2e.conftest import MakeClient, dump_logs
-from tests.e2e.predict import placement_for
+from tests.e2e.predict import live_primary
 from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 CHAT = "/v1/chat/completions"
@@ -32,24 +32,26 @@ def chat_body(text: str) -> bytes:
 def test_one_exchange_per_request_and_the_body_paths_cluster(
     fleet4: FleetStack, make_client: MakeClient
 ) -> None:
-    runtime = load_runtime(fleet4.fleet_path)
     client = make_client(fleet4.listener_port)
     sizes = (100, 70_000, 4 * 1024 * 1024)
     before = fleet4.envoy_stat(SENT)
     for n, size in enumerate(sizes):
         headers = {"x-session-id": f"agent-{n}"}
         body = chat_body("w" * size)
+        # The cluster the body path would choose: the live processor's decision from the whole
+        # body (explain), bounded placement of this new session included.
+        expected = live_primary(fleet4, CHAT, body, headers)
         status, hdrs, data = client.post_json(CHAT, body, headers)
         assert status == 200, (data[:300], dump_logs(fleet4))
-        # The cluster the body path would choose: the core's decision from the whole body.
-        assert hdrs["x-served-by"] == placement_for(runtime, CHAT, body, headers).primary
+        assert hdrs["x-served-by"] == expected
     assert fleet4.envoy_stat(SENT) - before == len(sizes)  # the headers message only
     # Without a session header the body is needed: two messages (headers, then the body).
-    before = fleet4.envoy_stat(SENT)
     body = chat_body("keyed by the prefix")
+    expected = live_primary(fleet4, CHAT, body)
+    before = fleet4.envoy_stat(SENT)
     status, hdrs, _ = client.post_json(CHAT, body)
     assert status == 200
-    assert hdrs["x-served-by"] == placement_for(runtime, CHAT, body).primary
+    assert hdrs["x-served-by"] == expected
     assert fleet4.envoy_stat(SENT) - before == 2
     samples = fleet4.processor_metrics()
     assert samples[("fleet_header_decisions_total", ())] == len(sizes)
@@ -58,9 +60,9 @@ def test_one_exchange_per_request_and_the_body_paths_cluster(
 def test_chunked_upload_waits_for_its_body(fleet4: FleetStack) -> None:
     """No content-length: the size is known only from the body, so Envoy sends it (two
     messages) and the request is placed as the body path places it."""
-    runtime = load_runtime(fleet4.fleet_path)
     headers = {"x-session-id": "agent-chunked", "content-type": "application/json"}
     body = chat_body("chunk " * 5000)
+    expected = live_primary(fleet4, CHAT, body, headers)
     before = fleet4.envoy_stat(SENT)
     conn = http.client.HTTPConnection(LOOPBACK, fleet4.listener_port, timeout=60)
     try:
@@ -71,7 +73,7 @@ def test_chunked_upload_waits_for_its_body(fleet4: FleetStack) -> None:
     finally:
         conn.close()
     assert resp.status == 200, data[:300]
-    assert resp.getheader("x-served-by") == placement_for(runtime, CHAT, body, headers).primary
+    assert resp.getheader("x-served-by") == expected
     assert fleet4.envoy_stat(SENT) - before == 2
 
 

@@ -23,7 +23,7 @@ from extproc.config import load_runtime
 from extproc.core.models import model_pool_name
 from extproc.harness.launch import FleetStack, SimSpec, wait_until
 from tests.e2e.conftest import MakeClient, dump_logs
-from tests.e2e.predict import placement_for
+from tests.e2e.predict import PURE_HASH, placement_for
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -45,6 +45,8 @@ def models_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStac
         fleet_overrides={
             "models": [{"name": "huge"}, {"name": "tiny"}],
             "model_routing": {"discovery": True, "discovery_interval_s": 0.5},
+            # Pure hashing predicts first turns (no balance spills): tests model routing.
+            "affinity": PURE_HASH,
         },
         sim_start_timeout_s=60,  # four engine processes start at once (20 s missed at load 33)
     )
@@ -84,7 +86,8 @@ def pooled_models(
         tmp_path_factory.mktemp(f"pooled-models-{request.param}"),
         clusters=3,
         cluster_models={"c1": ["big"], "c2": ["big"], "c3": ["small"]},
-        fleet_overrides={"processor": {"mode": "endpoint_picker"}},
+        # Pure hashing predicts first turns (no balance spills): tests model routing.
+        fleet_overrides={"processor": {"mode": "endpoint_picker"}, "affinity": PURE_HASH},
         sim_start_timeout_s=60,
         dynamic_cds=request.param == "file",
         xds_cds=request.param == "xds",

@@ -27,7 +27,7 @@ from extproc.core.pd import COLOCATED
 from extproc.harness.launch import FleetStack, http_get, wait_until
 from extproc.harness.sim_pd import PREFILLED_BY, SIM_RELATION_HEADER, SIM_TRANSFER_HEADER
 from tests.e2e.conftest import MakeClient, dump_logs
-from tests.e2e.predict import placement_for
+from tests.e2e.predict import PURE_HASH, placement_for
 from tests.support.flow import NO_PLACEMENT, refused_at_once
 
 CHAT = "/v1/chat/completions"
@@ -77,6 +77,8 @@ def pd_stack(path: Path, protocol: str = "llm-d", mode: str = "auto") -> FleetSt
                 ]
             ),
             "flow": NO_PLACEMENT,
+            # Pure hashing predicts first turns (no balance spills): tests P/D.
+            "affinity": PURE_HASH,
             "disaggregation": {"protocol": protocol},
             "processor": {"mode": mode},
         },

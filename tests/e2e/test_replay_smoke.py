@@ -24,7 +24,7 @@ from extproc.harness.replay import ReplayOptions, ReplayResult, run_replay
 from extproc.harness.trace import ideal_hit_ratio, read_trace, trace_to_requests
 from extproc.harness.workload import ReplayRequest
 from tests.e2e.conftest import dump_logs
-from tests.e2e.predict import placement_for
+from tests.e2e.predict import PURE_HASH, placement_for
 
 pytestmark = pytest.mark.e2e
 
@@ -93,6 +93,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         clusters=3,
         mode="extproc",
         sim_args=("--time-scale", "0.01"),
+        # Pure hashing predicts first turns (no balance spills): tests the replayer.
+        fleet_overrides={"affinity": PURE_HASH},
     )
     with stack:
         yield stack

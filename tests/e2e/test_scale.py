@@ -22,7 +22,7 @@ from extproc.core.placement import Placement
 from extproc.explain import explain_remote
 from extproc.harness.launch import Client, FleetStack, wait_until
 from tests.e2e.conftest import MakeClient, chat_body, dump_logs, kill_primary_then_restart
-from tests.e2e.predict import placement_for
+from tests.e2e.predict import PURE_HASH, placement_for
 
 CHAT = "/v1/chat/completions"
 CLUSTERS = 64
@@ -38,6 +38,8 @@ def fleet64(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         # Four processes of 16 servers start at once; on a loaded machine that took over 20 s.
         sim_start_timeout_s=90,
         access_log=False,
+        # Pure hashing predicts first turns (no balance spills): tests 64 clusters' data path.
+        fleet_overrides={"affinity": PURE_HASH},
     )
     with stack:
         yield stack

@@ -18,7 +18,7 @@ import pytest
 from extproc.config import load_runtime
 from extproc.core.keys import KeySource, hash_key
 from extproc.harness.launch import Client, FleetStack, wait_until
-from tests.e2e.predict import facts_for
+from tests.e2e.predict import PURE_HASH, facts_for
 
 CHAT = "/v1/chat/completions"
 
@@ -97,6 +97,8 @@ def test_labels_are_keyed_and_placement_ignores_the_secret(
         clusters=3,
         processor_args=("--log-level", "debug"),
         processor_env={"FLEET_SESSION_SECRET": "secret-a"},
+        # Pure hashing predicts first turns (no balance spills): tests session labels.
+        fleet_overrides={"affinity": PURE_HASH},
     )
     with stack:
         runtime = load_runtime(stack.fleet_path)

@@ -35,6 +35,7 @@ from extproc.pipeline.fleet_state import (
     RedisSessions,
     SessionMemory,
 )
+from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import FleetProcessor
 from extproc.serve.service import grpc_options
@@ -487,7 +488,8 @@ async def test_with_affinity_off_response_headers_are_answered_and_ignored(
     start: Callable[..., Any],
 ) -> None:
     doc = fleet_doc()
-    doc["affinity"] = {"enabled": False}
+    # Bounded placement (on by default, affinity or not) would spread the c2 pile by itself.
+    doc["affinity"] = {"enabled": False, **PURE_HASH}
     proc: Proc = await start(doc)
     sid = proc.session_on("c2", "off")
     assert await full_request(proc, sid, CRITICAL) == "c2"
@@ -507,3 +509,89 @@ async def test_a_response_naming_an_unknown_cluster_is_credited_to_the_chosen_on
     assert await full_request(proc, sid, PRESSURED, served_by="some-pod-7") == "c1"
     assert proc.sample("fleet_cluster_kv_usage", cluster="c1") == 0.9
     assert proc.sample("fleet_failovers_observed_total", cluster="c1") == 0
+
+
+# -- bounded placement of new sessions with load-aware affinity off (the product default) ------
+
+
+async def test_without_affinity_a_new_session_over_its_share_spills_and_its_turns_follow(
+    start: Callable[..., Any],
+) -> None:
+    doc = fleet_doc()
+    doc["affinity"] = {}  # the product default: affinity off, the bound on (one replica)
+    proc: Proc = await start(doc)
+    pipeline = proc.processor.pipeline
+    assert not proc.runtime.affinity.enabled
+    assert proc.runtime.affinity.balance_factor == DEFAULT_BALANCE_FACTOR
+    piled = [proc.session_on("c2", f"pile{i}") for i in range(3)]
+    for sid in piled[:2]:
+        ex = Exchange(proc)
+        assert await ex.route(sid) == "c2"
+        await ex.end()
+    # The third would take c2 to 3 of 3 recent placements, over 1.1 x the mean: explain's
+    # preview (the live state, nothing recorded) and the decision both spill it.
+    head, body = request_messages(piled[2])
+    headers = {h.key: h.raw_value.decode() for h in head.request_headers.headers.headers}
+    preview = await pipeline.preview(headers, body.request_body.body, time.monotonic())
+    assert isinstance(preview, Routed) and preview.kind == "spilled", preview
+    spilled_to = preview.route.placement.primary
+    assert spilled_to == proc.hash_order(piled[2])[1]
+    ex = Exchange(proc)
+    assert await ex.route(piled[2]) == spilled_to
+    await ex.end()
+    assert proc.sample("fleet_route_decisions_total", kind="spilled") == 1
+    # No response phase was asked for: the bound needs none (one exchange per request).
+    for _ in range(3):
+        for sid, where in ((piled[2], spilled_to), (piled[0], "c2")):
+            ex = Exchange(proc)
+            assert await ex.route(sid) == where
+            await ex.end()
+    assert proc.sample("fleet_route_decisions_total", kind="override") == 3
+    assert proc.sample("fleet_route_decisions_total", kind="primary") == 5
+    assert pipeline.fleet.load.inflight("c2") == 0  # in-flight counts stay affinity's
+
+
+async def test_two_replicas_sharing_redis_agree_on_a_bounded_spill(server: RedisServer) -> None:
+    doc = fleet_doc()
+    doc["affinity"] = {}
+    doc["redis"] = {"url": server.url, "replicas": 2}
+    runtime = compile_runtime(parse_config(doc))
+    assert runtime.affinity.balance_factor == DEFAULT_BALANCE_FACTOR  # shared: on by default
+
+    def replica() -> Pipeline:
+        shared = RedisSessions.from_url(server.url, prefix="t", timeout_s=1.0)
+        metrics = Metrics(CollectorRegistry())
+        return Pipeline(RuntimeHolder(runtime), metrics, fleet=FleetState(metrics, shared=shared))
+
+    a, b = replica(), replica()
+    try:
+        order = runtime.policy.placers["short"]
+
+        def on_c2(tag: str) -> str:
+            return next(
+                sid
+                for i in range(10_000)
+                if order.ranked(hash_key(KeySource.HEADER, (sid := f"{tag}-{i}").encode()).point)[0]
+                == "c2"
+            )
+
+        async def primary(pipe: Pipeline, sid: str, now: float) -> tuple[str, str]:
+            head, body = request_messages(sid)
+            headers = {h.key: h.raw_value.decode() for h in head.request_headers.headers.headers}
+            outcome = await pipe.decide(headers, body.request_body.body, now)
+            assert isinstance(outcome, Routed), outcome
+            await pipe.release(outcome.hold)
+            return outcome.route.placement.primary, outcome.kind
+
+        piled = [on_c2(f"r{i}") for i in range(3)]
+        assert (await primary(a, piled[0], 1.0))[0] == "c2"
+        assert (await primary(a, piled[1], 1.1))[0] == "c2"
+        where, kind = await primary(a, piled[2], 1.2)
+        assert kind == "spilled" and where != "c2"
+        # Replica B never placed anything: its own counts would keep the hash primary, but the
+        # session is not new and its override is in Redis, so B follows A's spill.
+        assert await primary(b, piled[2], 2.0) == (where, "override")
+        assert await primary(b, piled[0], 2.1) == ("c2", "primary")
+    finally:
+        await a.aclose()
+        await b.aclose()

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from extproc.core.affinity import (
     AffinityParams,
+    Decision,
     Override,
     SessionView,
     place,
@@ -27,6 +30,18 @@ NEW = SessionView(seen=False)
 EXISTING = SessionView(seen=True)
 
 
+def bounded(
+    ranked: Sequence[str],
+    loads: Callable[[], FleetSnapshot],
+    session: SessionView,
+    params: AffinityParams = PARAMS,
+    within: int | None = None,
+) -> Decision:
+    """place_bounded as the pipeline calls it, with ``ranked`` the session's hash order."""
+    hashed = Placement(ranked[0], ranked[1] if len(ranked) > 1 else None)
+    return place_bounded(hashed, ranked, lambda: ranked, loads, session, NOW, params, within)
+
+
 def recent(healthy: frozenset[str] | None = None, **counts: float) -> FleetSnapshot:
     return FleetSnapshot.of(
         {
@@ -39,15 +54,15 @@ def recent(healthy: frozenset[str] | None = None, **counts: float) -> FleetSnaps
 def test_a_new_session_over_the_bound_spills_to_the_first_candidate_within_it() -> None:
     # 40 recent over 4: the 41st may go where the count stays within 1.1 x 41 / 4 = 11.275.
     loads = recent(c1=13.0, c2=11.0, c3=9.0, c4=7.0)
-    decision = place_bounded(RANKED, loads, NEW, NOW, PARAMS)
+    decision = bounded(RANKED, lambda: loads, NEW, PARAMS)
     assert decision.kind == "spilled"
     assert decision.placement == Placement("c3", "c1")  # c2 (11 -> 12) is over too
     assert decision.override_to_write == Override("c3", NOW + PARAMS.override_ttl_s)
 
 
 def test_within_the_bound_and_on_an_idle_fleet_the_hash_placement_stands() -> None:
-    within = place_bounded(RANKED, recent(c1=10.0, c2=10.0, c3=10.0, c4=10.0), NEW, NOW, PARAMS)
-    idle = place_bounded(RANKED, recent(), NEW, NOW, PARAMS)
+    within = bounded(RANKED, lambda: recent(c1=10.0, c2=10.0, c3=10.0, c4=10.0), NEW, PARAMS)
+    idle = bounded(RANKED, lambda: recent(), NEW, PARAMS)
     for decision in (within, idle):
         assert decision.kind == "primary" and decision.override_to_write is None
         assert decision.placement == Placement("c1", "c2")
@@ -55,40 +70,38 @@ def test_within_the_bound_and_on_an_idle_fleet_the_hash_placement_stands() -> No
 
 def test_an_existing_session_stays_on_its_hash_primary_however_loaded() -> None:
     loads = recent(c1=40.0, c2=1.0, c3=1.0, c4=1.0)
-    decision = place_bounded(RANKED, loads, EXISTING, NOW, PARAMS)
+    decision = bounded(RANKED, lambda: loads, EXISTING, PARAMS)
     assert (decision.kind, decision.placement.primary) == ("primary", "c1")
 
 
 def test_an_override_is_followed_never_migrated_and_refreshed_before_it_lapses() -> None:
     loads = recent(frozenset({"c1", "c2", "c4"}), c3=40.0)  # c3: unready and over its share
     fresh = SessionView(seen=True, override=Override("c3", NOW + 290.0))
-    followed = place_bounded(RANKED, loads, fresh, NOW, PARAMS)
+    followed = bounded(RANKED, lambda: loads, fresh, PARAMS)
     assert (followed.kind, followed.placement) == ("override", Placement("c3", "c1"))
     assert followed.migrated_from is None and followed.override_to_write is None
     # Less than new_session_ttl_s left: rewritten (one store write), as rule 2 does.
     ending = SessionView(seen=True, override=Override("c3", NOW + 30.0))
-    refreshed = place_bounded(RANKED, loads, ending, NOW, PARAMS)
+    refreshed = bounded(RANKED, lambda: loads, ending, PARAMS)
     assert refreshed.override_to_write == Override("c3", NOW + PARAMS.override_ttl_s)
 
 
 def test_an_expired_or_foreign_override_is_ignored() -> None:
     loads = recent()
     for override in (Override("c2", NOW), Override("elsewhere", NOW + 100.0)):
-        decision = place_bounded(
-            RANKED, loads, SessionView(seen=True, override=override), NOW, PARAMS
-        )
+        decision = bounded(RANKED, lambda: loads, SessionView(seen=True, override=override), PARAMS)
         assert (decision.kind, decision.placement.primary) == ("primary", "c1")
 
 
 def test_a_spill_skips_unhealthy_candidates() -> None:
     loads = recent(frozenset({"c1", "c2", "c4"}), c1=20.0, c2=15.0, c3=0.0, c4=5.0)
-    decision = place_bounded(RANKED, loads, NEW, NOW, PARAMS)
+    decision = bounded(RANKED, lambda: loads, NEW, PARAMS)
     assert (decision.kind, decision.placement) == ("spilled", Placement("c4", "c1"))
 
 
 def test_off_nothing_spills() -> None:
     off = dataclasses.replace(PARAMS, balance_factor=0.0)
-    decision = place_bounded(RANKED, recent(c1=100.0), NEW, NOW, off)
+    decision = bounded(RANKED, lambda: recent(c1=100.0), NEW, off)
     assert (decision.kind, decision.placement.primary) == ("primary", "c1")
 
 
@@ -101,7 +114,7 @@ def test_it_is_load_aware_affinity_s_rule_4_on_the_share_bound_alone(source: Key
     for _ in range(300):
         loads = FleetSnapshot.of({n: ClusterLoad(recent=float(rng.randint(0, 20))) for n in RANKED})
         for view in (NEW, EXISTING):
-            a = place_bounded(RANKED, loads, view, NOW, PARAMS)
+            a = bounded(RANKED, functools.partial(lambda s: s, loads), view, PARAMS)
             b = place(source, RANKED, loads, view, NOW, on)
             assert (a.kind, a.placement, a.override_to_write) == (
                 b.kind,
@@ -124,8 +137,11 @@ def _bounded_and_hashed(
         ranked = placer.ranked(hash_key(KeySource.PREFIX, key.encode()).point)
         hashed[ranked[0]] += 1
         view = SessionView(seen=key in memory, override=memory.get(key))
-        loads = FleetSnapshot.of({n: ClusterLoad(recent=counts[n]) for n in ranked})
-        decision = place_bounded(ranked, loads, view, NOW, PARAMS)
+
+        def loads(names: list[str] = ranked) -> FleetSnapshot:
+            return FleetSnapshot.of({n: ClusterLoad(recent=counts[n]) for n in names})
+
+        decision = bounded(ranked, loads, view, PARAMS)
         if decision.override_to_write is not None:
             memory[key] = decision.override_to_write
         else:
@@ -164,3 +180,14 @@ def test_conversations_and_shared_documents_stay_within_the_issue_s_target(clust
     counts, hashed = _bounded_and_hashed(clusters, [key for _at, key in arrivals])
     assert _max_over_mean(counts) <= 1.2
     assert _max_over_mean(hashed) > 1.2
+
+
+def test_within_limits_spills_and_the_mean_to_the_preferred_candidates() -> None:
+    # A LoRA adapter loaded on c1 and c2 only: c3 and c4 (idle) would have to load it first.
+    loads = recent(c1=20.0, c2=10.0, c3=0.0, c4=0.0)
+    assert bounded(RANKED, lambda: loads, NEW, PARAMS).placement.primary == "c3"
+    preferred = bounded(RANKED, lambda: loads, NEW, PARAMS, within=2)
+    assert (preferred.kind, preferred.placement) == ("spilled", Placement("c2", "c1"))
+    # Loaded on c1 alone: nowhere to spill to, whatever the others hold.
+    alone = bounded(RANKED, lambda: loads, NEW, PARAMS, within=1)
+    assert (alone.kind, alone.placement.primary) == ("primary", "c1")
