@@ -503,6 +503,26 @@ async def test_with_affinity_off_no_response_is_read_and_load_is_ignored(
     assert proc.processor.pipeline.fleet.load.inflight("c2") == 0
 
 
+async def test_with_affinity_off_response_headers_read_for_usage_ignore_their_load(
+    start: Callable[..., Any],
+) -> None:
+    """Affinity off but usage inspection on: the processor still asks for response headers
+    (usage is credited from them), answers them unmodified, and ignores their load reports."""
+    doc = fleet_doc()
+    doc["affinity"] = {"enabled": False, **PURE_HASH}
+    doc["processor"] = {"inspect_usage": True}
+    proc: Proc = await start(doc)
+    assert proc.runtime.response_phases
+    sid = proc.session_on("c2", "off")
+    assert await full_request(proc, sid, CRITICAL) == "c2"
+    for i in range(5):
+        new = proc.session_on("c2", f"off-new{i}")
+        assert await full_request(proc, new, CRITICAL) == "c2"  # pure hashing, whatever c2 says
+    assert proc.sample("fleet_load_reports_total", source="orca") == 0
+    assert proc.sample("fleet_route_decisions_total", kind="primary") == 6
+    assert proc.processor.pipeline.fleet.load.inflight("c2") == 0
+
+
 async def test_a_response_naming_an_unknown_cluster_is_credited_to_the_chosen_one(
     start: Callable[..., Any],
 ) -> None:
