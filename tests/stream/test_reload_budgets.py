@@ -35,6 +35,9 @@ def fleet(clusters: list[str], budget: int) -> dict[str, Any]:
         ],
         "classes": refused_at_once([{"name": "short", "budget": {"max_concurrent": budget}}]),
         "flow": NO_PLACEMENT,
+        # Sessions are picked by their hash primary: the tests are about budgets across a
+        # reload, not balance (bounded placement of new sessions would spill some of them).
+        "affinity": {"balance_factor": 0},
     }
 
 
