@@ -53,6 +53,15 @@ def placement_for(
     return runtime.policy.route(facts_for(runtime, path, body, headers)).placement
 
 
+def ranked_for(
+    runtime: Runtime, path: str, body: bytes, headers: Mapping[str, str] | None = None
+) -> list[str]:
+    """The request's candidates in hash order: a session started on any of them (its hash
+    primary, or a later one a bounded spill chose) fails over to the first other one."""
+    facts = facts_for(runtime, path, body, headers)
+    return runtime.policy.placer(runtime.policy.route(facts)).ranked(facts.session.point)
+
+
 def explain_live(
     stack: FleetStack,
     path: str,
