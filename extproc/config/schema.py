@@ -314,8 +314,9 @@ class ModelRoutingConfig(Strict):
 
 
 class AffinityConfig(Strict):
-    """Load- and pressure-aware affinity (extproc.core.affinity). Off by default: pure
-    consistent hashing then stays the whole policy and costs nothing extra. On, Envoy also
+    """Load- and pressure-aware affinity (extproc.core.affinity). Off by default: consistent
+    hashing then stays the policy, with only bounded-load placement of new sessions
+    (balance_factor, extproc.core.affinity.place_bounded: no extra exchange). On, Envoy also
     sends the response headers to the processor (the clusters' load reports ride on them):
     one more gRPC exchange per request."""
 
