@@ -247,6 +247,9 @@ def run_policy(
         rng=rng,
         member=member,
         names=names,
+        points=traffic.points,
+        weights=tuple(spec.weight for spec in specs),
+        placeable=tuple(placeable),
     )
 
     clock = [0.0]

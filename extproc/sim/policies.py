@@ -21,10 +21,21 @@ from types import MappingProxyType
 import numpy as np
 import numpy.typing as npt
 
-from extproc.core.affinity import AffinityParams, Override, SessionView, place
+from extproc.config.runtime import DEFAULT_BALANCE_FACTOR, affinity_params
+from extproc.config.schema import AffinityConfig
+from extproc.core.affinity import (
+    AffinityParams,
+    Override,
+    SessionView,
+    place,
+    place_bounded,
+)
 from extproc.core.keys import KeySource
 from extproc.core.load import ClusterLoad, FleetSnapshot
+from extproc.core.placement import Placement
+from extproc.pipeline.fleet_state import LoadTable, SessionMemory
 from extproc.sim.model import ClusterState
+from extproc.sim.vector import scores, seeds_of
 
 Candidates = list[tuple[int, int]]
 
@@ -42,6 +53,11 @@ class FleetView:
     rng: Random
     member: list[bool] = field(default_factory=list)
     names: tuple[str, ...] = ()
+    # Per session: the processor's placement point (what the hash tables were ranked from).
+    points: npt.NDArray[np.uint64] | None = None
+    weights: tuple[float, ...] = ()
+    # Clusters the session placer may choose at all (P/D: not prefill-role ones).
+    placeable: tuple[bool, ...] = ()
 
 
 class Policy:
@@ -282,6 +298,112 @@ class CoreAffinity(Bulkheads):
         return self.kinds.get("spilled", 0)
 
 
+class ProductDefault(PrimarySecondary):
+    """The processor's default placement (fleet.yaml with no ``affinity:`` section, one replica
+    or Redis): pure hashing, plus bounded-load placement of new sessions without load-aware
+    affinity, ``extproc.core.affinity.place_bounded``, fed as ``Pipeline._follow_override``
+    feeds it.
+
+    - The session memory and the load signal are the pipeline's own objects
+      (``extproc.pipeline.fleet_state``): ``SessionMemory`` marks each request's session seen
+      (new = not seen within ``new_session_ttl_s``) and holds overrides with their TTL;
+      ``LoadTable.placed`` counts every placed request on the cluster it was placed on, decayed
+      with ``balance_half_life_s``. Parameters: the config's defaults, ``balance_factor``
+      ``DEFAULT_BALANCE_FACTOR``.
+    - Candidates: every cluster in the fleet, in hash order (the core's rendezvous, as the
+      simulator's tables rank them), ranked only when a new session is judged.
+    - Health: with load-aware affinity off the processor asks for no response phase, so it never
+      learns of a failover, and in route mode it probes no endpoint: every candidate looks
+      healthy to it. Envoy then fails a request on a dead cluster over to the decision's
+      secondary, else to its catch-all route.
+    - No class budgets (``bulkheads`` False): the product enforces them only where configured.
+    """
+
+    name = "product-default"
+    description = (
+        "the processor's default: hash-2, a new session over balance_factor (1.1) x the mean "
+        "recent placements starts on the next candidate in hash order and its turns follow "
+        "(extproc.core.affinity.place_bounded; load-aware affinity off)"
+    )
+
+    def __init__(self, spill_wait_s: float = 2.0) -> None:
+        super().__init__(spill_wait_s)
+        config = AffinityConfig()
+        self.params = affinity_params(config, DEFAULT_BALANCE_FACTOR)
+        self.load = LoadTable()
+        self.memory = SessionMemory(config.max_sessions)
+        self.kinds: dict[str, int] = {}
+        self._index: dict[str, int] = {}
+        self._members: tuple[bool, ...] = ()
+        self._candidates: frozenset[str] = frozenset()
+        self._seeds: npt.NDArray[np.uint64] | None = None
+        self._weights: npt.NDArray[np.float64] | None = None
+
+    def refresh(self, view: FleetView) -> None:
+        placeable = view.placeable or (True,) * len(view.names)
+        members = tuple(m and p for m, p in zip(view.member, placeable, strict=True))
+        if members != self._members:
+            self._members = members
+            self._candidates = frozenset(n for n, m in zip(view.names, members, strict=True) if m)
+
+    def _ranked(self, view: FleetView, session: int) -> list[str]:
+        """The session's candidates in hash order: every member, as ``Rendezvous.ranked``."""
+        assert view.points is not None, "product-default needs the sessions' points"
+        if self._seeds is None:
+            self._seeds = seeds_of(view.names)
+            weights = view.weights or (1.0,) * len(view.names)
+            # Same rule as vector.ranking: equal weights take the logarithm-free path.
+            self._weights = None if len(set(weights)) == 1 else np.asarray(weights)
+        row = scores(view.points[session : session + 1], self._seeds, self._weights)[0]
+        members = self._members
+        names = view.names
+        return [names[c] for c in np.argsort(-row, kind="stable").tolist() if members[c]]
+
+    def route(self, view: FleetView, session: int, new: bool, now: float) -> Candidates:
+        if not self._index:
+            self._index = {n: i for i, n in enumerate(view.names)}
+            self.refresh(view)
+        names = view.names
+        p, s = view.primary[session], view.secondary[session]
+        hashed = Placement(names[p], names[s] if s >= 0 else None)
+        params = self.params
+        half_life = params.balance_half_life_s
+        # The session's 16-byte digest in the processor; any injective key does here.
+        key = session.to_bytes(8, "little")
+        view_of_session = SessionView(
+            self.memory.touch(key, now, params.new_session_ttl_s), self.memory.override(key, now)
+        )
+        ranked: list[str] = []
+
+        def order() -> list[str]:
+            if not ranked:
+                ranked.extend(self._ranked(view, session))
+            return ranked
+
+        def loads() -> FleetSnapshot:
+            return self.load.snapshot(order(), now, None, half_life)
+
+        decision = place_bounded(
+            hashed, self._candidates, order, loads, view_of_session, now, params
+        )
+        self.load.placed(decision.placement.primary, now, half_life)
+        if decision.override_to_write is not None:
+            self.memory.write(key, decision.override_to_write, now)
+        self.kinds[decision.kind] = self.kinds.get(decision.kind, 0) + 1
+        chosen = self._index[decision.placement.primary]
+        if view.alive[chosen]:
+            return [(chosen, chosen)]
+        # Envoy's failover: the decision's secondary, then the catch-all route.
+        secondary = decision.placement.secondary
+        if secondary is not None and view.alive[self._index[secondary]]:
+            return [(self._index[secondary], chosen)]
+        return _random_alive(view, chosen)
+
+    @property
+    def spilled(self) -> int:
+        return self.kinds.get("spilled", 0)
+
+
 # name -> policy class. The whole policy surface, in one visible, read-only table.
 POLICIES: Mapping[str, type[Policy]] = MappingProxyType(
     {
@@ -291,6 +413,7 @@ POLICIES: Mapping[str, type[Policy]] = MappingProxyType(
             LeastLoaded,
             PrimaryOnly,
             PrimarySecondary,
+            ProductDefault,
             Bulkheads,
             Spill,
             CoreAffinity,

@@ -269,6 +269,10 @@ def summarize(
         )[: scenario.n_base] / np.array(
             [c.prefill_tps for c in scenario.clusters[: scenario.n_base]]
         )
+        # Served requests per base cluster: the issue-15 load figure (max/mean <= 1.2).
+        per_cluster = np.bincount(
+            run.served_on[ok].astype(np.int64), minlength=len(scenario.clusters)
+        )[: scenario.n_base]
         policies[name] = {
             "description": POLICIES[name].description if name in POLICIES else "",
             "hit_ratio": _round(float(cached.sum() / max(1, prompt.sum())), 4),
@@ -288,6 +292,9 @@ def summarize(
             },
             "prefill_busy_max_over_mean": _round(float(busy.max() / busy.mean()), 3)
             if busy.mean() > 0
+            else None,
+            "requests_max_over_mean": _round(float(per_cluster.max() / per_cluster.mean()), 3)
+            if per_cluster.mean() > 0
             else None,
             "failures": [_failure(f, scenario, seed) for f in run.failures],
             "spilled_sessions": run.spilled_sessions,
@@ -418,6 +425,12 @@ def format_table(summary: Mapping[str, Any]) -> str:
     lines.append("")
     for name, p in summary["policies"].items():
         row = f"{name}: output {_fmt(p.get('output_tokens_per_s'), 1, 0)} tokens/s"
+        row += (
+            f"; per cluster max/mean: requests {_fmt(p.get('requests_max_over_mean'))}, "
+            f"prefill busy {_fmt(p.get('prefill_busy_max_over_mean'))}"
+        )
+        if p.get("spilled_sessions"):
+            row += f"; {p['spilled_sessions']:,} sessions spilled"
         pd = p.get("pd")
         if pd:
             row += (

@@ -28,11 +28,14 @@ def test_simulate_writes_table_json_and_png(
     assert code == 0
     captured = capsys.readouterr()
     assert "hash-2+bulkheads+spill" in captured.out
+    # The default policy set shows the processor's default placement.
+    assert "product-default" in captured.out
     assert "remapped" in captured.out and "re-prefilled" in captured.out
     assert "simulate [" in captured.err  # the progress bar
     summary = json.loads(out_json.read_text())
     assert set(summary["policies"]) == {
-        "round-robin", "least-loaded", "hash-primary", "hash-2", "hash-2+bulkheads",
+        "round-robin", "least-loaded", "hash-primary", "hash-2", "product-default",
+        "hash-2+bulkheads",
         "hash-2+bulkheads+spill", "hash-2+bulkheads+affinity", "hash-2+bulkheads+flow",
     }  # fmt: skip
     assert summary["workload"]["sessions"] >= 2000
