@@ -169,4 +169,3 @@ def test_a_shared_opening_layout_is_bounded_where_pure_hashing_is_not() -> None:
         assert bounded["spilled_sessions"] > 0
         # Bounding costs no cache hits worth the name (turns follow their session).
         assert bounded["hit_ratio"] >= hashed["hit_ratio"] - 0.02
-
