@@ -25,7 +25,7 @@ from extproc.sim.policies import FleetView, ProductDefault
 from extproc.sim.scenario import SimOptions, simulate
 from extproc.sim.vector import ranking
 
-CLUSTERS = 8
+CLUSTERS = 16
 BODY = orjson.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
 
 
@@ -75,6 +75,25 @@ def pipeline_primaries(runtime: Runtime, sequence: list[tuple[float, int]]) -> l
     return asyncio.run(run())
 
 
+def fleet_view(names: tuple[str, ...], points: list[int], alive: list[bool]) -> FleetView:
+    """The engine's view of a fleet of equal clusters, all members, with its hash tables."""
+    array = np.array(points, dtype=np.uint64)
+    table = ranking(array, names, [1.0] * len(names), len(names)).astype(np.int32)
+    return FleetView(
+        states=[],
+        alive=alive,
+        alive_ix=[i for i, up in enumerate(alive) if up],
+        table=table,
+        primary=table[:, 0].tolist(),
+        secondary=table[:, 1].tolist(),
+        rng=random.Random(0),
+        member=[True] * len(names),
+        names=names,
+        points=array,
+        weights=(1.0,) * len(names),
+    )
+
+
 def simulator_primaries(
     runtime: Runtime, sequence: list[tuple[float, int]], sessions: int
 ) -> tuple[list[str], ProductDefault]:
@@ -92,21 +111,7 @@ def simulator_primaries(
         assert isinstance(facts, RequestFacts)
         points.append(facts.session.point)
     names = tuple(c.name for c in runtime.clusters)
-    array = np.array(points, dtype=np.uint64)
-    table = ranking(array, names, [1.0] * len(names), len(names)).astype(np.int32)
-    view = FleetView(
-        states=[],
-        alive=[True] * len(names),
-        alive_ix=list(range(len(names))),
-        table=table,
-        primary=table[:, 0].tolist(),
-        secondary=table[:, 1].tolist(),
-        rng=random.Random(0),
-        member=[True] * len(names),
-        names=names,
-        points=array,
-        weights=(1.0,) * len(names),
-    )
+    view = fleet_view(names, points, [True] * len(names))
     policy = ProductDefault()
     policy.refresh(view)
     seen: set[int] = set()
@@ -169,3 +174,17 @@ def test_a_shared_opening_layout_is_bounded_where_pure_hashing_is_not() -> None:
         assert bounded["spilled_sessions"] > 0
         # Bounding costs no cache hits worth the name (turns follow their session).
         assert bounded["hit_ratio"] >= hashed["hit_ratio"] - 0.02
+
+
+def test_a_dead_cluster_is_not_known_to_the_processor_and_envoy_fails_over() -> None:
+    """With load-aware affinity off the processor reads no response, so it never learns that
+    a cluster is down: it decides as before, Envoy serves the request on the decision's
+    secondary, and the budget is charged to the decided cluster."""
+    names = tuple(c.name for c in default_runtime(CLUSTERS).clusters)
+    hashed = fleet_view(names, [0], [True] * len(names))
+    primary, secondary = hashed.primary[0], hashed.secondary[0]
+    alive = [True] * len(names)
+    alive[primary] = False
+    policy = ProductDefault()
+    assert policy.route(fleet_view(names, [0], alive), 0, True, 0.0) == [(secondary, primary)]
+    assert policy.kinds == {"primary": 1}
