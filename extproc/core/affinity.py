@@ -1,9 +1,10 @@
 """Load- and pressure-aware affinity: where a request goes when pure hashing is not enough.
 
-``place(source, ranked, snapshot, session, now, params) -> Decision`` is a pure function. The
-shell feeds it the session's candidates in hash order (``Rendezvous.ranked``), a snapshot of the
-fleet's load, what it remembers about the session (seen recently? an override?) and ``now``;
-it writes back the override the decision asks for. Nothing here reads a clock or a store.
+``place(source, ranked, snapshot, session, now, params, within) -> Decision`` is a pure
+function. The shell feeds it the session's candidates in hash order (``Rendezvous.ranked``), a
+snapshot of the fleet's load, what it remembers about the session (seen recently? an
+override?) and ``now``; it writes back the override the decision asks for. Nothing here reads
+a clock or a store.
 
 Cluster states, judged from the snapshot at ``now``:
 
@@ -53,6 +54,11 @@ The rules, first match wins:
    where a new session starts is chosen for balance. With no room anywhere, the primary if it
    is usable (healthy, not pressured), else the first usable candidate; a fleet that is full
    everywhere leaves the budget to say no.
+
+A LoRA adapter's request (``within``: its first candidates have it loaded) is decided by the same
+rules among its loaded clusters while one of them is healthy: a spill, a hot key's spread or a
+migration there never lands on a cluster that would load the adapter first. Only when none of
+them is healthy (failover) do the rules run over every candidate of its base model.
 
 Without load-aware affinity (``enabled: false``, the product default) the shell asks
 :func:`place_bounded` instead: rule 2 without migrations, then rule 4 judged on the share bound
@@ -219,6 +225,20 @@ def _judge(
     return _Judge(snapshot, now, params, mean, recent, len(healthy))
 
 
+def _loaded(
+    ranked: Sequence[str], snapshot: FleetSnapshot, within: int | None
+) -> tuple[Sequence[str], bool]:
+    """The candidates the rules choose among, and whether they are a LoRA adapter's loaded
+    tier: its first ``within`` candidates while one of them is healthy, else all of them (a
+    cluster without the adapter loads it on demand, which beats no cluster at all)."""
+    if not within or within >= len(ranked):
+        return ranked, False
+    tier = ranked[:within]
+    if any(snapshot.get(n).healthy for n in tier):
+        return tier, True
+    return ranked, False
+
+
 def _hot_target(ranked: Sequence[str], session: SessionView, judge: _Judge) -> str | None:
     top = [n for n in ranked[: judge.params.hot_key_spread] if judge.usable(n)]
     if len(top) < 2:
@@ -247,6 +267,8 @@ def _refreshed(override: Override, now: float, params: AffinityParams) -> Overri
 
 def _migrate(
     ranked: Sequence[str],
+    among: Sequence[str],
+    tier: bool,
     current: str,
     reason: MigrationReason,
     judge: _Judge,
@@ -255,7 +277,11 @@ def _migrate(
     # Not has_room: the share bound places new sessions only. A session leaving a cluster
     # Envoy failed over from already has its cache on the secondary (the first usable
     # candidate after it); the bound would move it a second time, to a third cache.
-    target = _first(ranked, judge.can_take, current) or _first(ranked, judge.usable, current)
+    target = _first(among, judge.can_take, current) or _first(among, judge.usable, current)
+    if target is None and tier and reason == "unhealthy":
+        # An adapter's failed cluster: a healthy loaded one, even pressured, rather than
+        # staying there for Envoy's failover to a secondary that may not have it.
+        target = _first(among, judge.healthy, current)
     if target is None:
         return None  # nowhere better: stay, and let Envoy's failover and the budget cope
     return Decision(
@@ -274,18 +300,27 @@ def place(
     session: SessionView,
     now: float,
     params: AffinityParams,
+    within: int | None = None,
 ) -> Decision:
     """Where this request runs; ``ranked`` is its candidates in hash order (never empty);
-    ``source`` is where its session key came from (only prefix keys may be hot-spread)."""
+    ``source`` is where its session key came from (only prefix keys may be hot-spread).
+
+    ``within``: a LoRA adapter's request, whose first ``within`` candidates have it loaded
+    (extproc.core.models.Candidates, as in :func:`place_bounded`). While one of them is
+    healthy, every choice the rules make (a spill, a hot key's spread, a migration) is among
+    them, judged by their own mean load and share; only when none is healthy do the rules run
+    over every candidate. An override elsewhere is still followed (the session's cache is
+    there) and the secondary is still the first usable candidate in hash order."""
     primary = ranked[0]
-    judge = _judge(ranked, snapshot, now, params)
+    among, tier = _loaded(ranked, snapshot, within)
+    judge = _judge(among, snapshot, now, params)
 
     if (
         source is KeySource.PREFIX
         and params.hot_key_spread >= 2
         and session.key_share >= params.hot_key_share
     ):
-        target = _hot_target(ranked, session, judge)
+        target = _hot_target(among, session, judge)
         if target is not None:
             return Decision(_placement(ranked, target, judge), "hot_spread")
 
@@ -298,7 +333,7 @@ def place(
                 "override",
                 _refreshed(override, now, params),
             )
-        moved = _migrate(ranked, override.cluster, reason, judge, now)
+        moved = _migrate(ranked, among, tier, override.cluster, reason, judge, now)
         if moved is not None:
             return moved
         return Decision(_placement(ranked, override.cluster, judge), "override")
@@ -306,7 +341,7 @@ def place(
     if session.seen:
         reason = judge.must_leave(primary)
         if reason is not None:
-            moved = _migrate(ranked, primary, reason, judge, now)
+            moved = _migrate(ranked, among, tier, primary, reason, judge, now)
             if moved is not None:
                 return moved
         return Decision(_placement(ranked, primary, judge), "primary")
@@ -314,9 +349,11 @@ def place(
     if judge.has_room(primary):
         return Decision(_placement(ranked, primary, judge), "primary")
     target = (
-        _first(ranked, judge.has_room)
+        _first(among, judge.has_room)
         or (primary if judge.usable(primary) else None)
-        or _first(ranked, judge.usable)
+        or _first(among, judge.usable)
+        # An adapter's: a healthy loaded cluster before a failed primary (see _migrate).
+        or (_first(among, judge.healthy) if tier else None)
         or primary
     )
     if target == primary:

@@ -116,6 +116,14 @@ def inference_api(headers: Mapping[str, str]) -> Api | None:
     return api_for_path(headers.get(":path", ""))
 
 
+def _loaded_tier(placer: object) -> int | None:
+    """How many of a LoRA adapter's ranked candidates have it loaded (they rank first,
+    extproc.core.models.Candidates), or None: no adapter, or loaded nowhere."""
+    if isinstance(placer, Candidates) and placer.preferred is not None:
+        return len(placer.preferred.names)
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class _Placed:
     """Admitted on a later hash candidate (flow.place_new_sessions)."""
@@ -789,11 +797,7 @@ class Pipeline:
 
         # A LoRA adapter's new session is bounded among the clusters that have it loaded: a
         # spill onto one that must load it first would cost more than the evenness gains.
-        within = (
-            len(placer.preferred.names)
-            if isinstance(placer, Candidates) and placer.preferred is not None
-            else None
-        )
+        within = _loaded_tier(placer)
         decision = place_bounded(hashed, placer.names, order, loads, view, now, params, within)
         if decision.kind != "primary":
             # Otherwise the hash placement stands (moved off an unready primary already).
@@ -810,14 +814,18 @@ class Pipeline:
         """Feed the pure affinity policy: candidates, load snapshot, session memory, now."""
         fleet = self.fleet
         params = runtime.affinity
-        ranked = runtime.policy.placer(route).ranked(facts.session.point)
+        placer = runtime.policy.placer(route)
+        ranked = placer.ranked(facts.session.point)
         salt = mix64(self._decisions)
         if record:
             self._decisions += 1
         view = await fleet.view(facts, ranked[0], now, params, salt, record=record)
         balance = params.balance_half_life_s if params.balance_factor > 0 else None
         snapshot = fleet.load.snapshot(ranked, now, self._ready_clusters(runtime), balance)
-        decision = place(facts.session.source, ranked, snapshot, view, now, params)
+        # A LoRA adapter's spills, hot-key spreading and moves stay among the clusters that
+        # have it loaded while one of them is healthy (as place_bounded's new sessions).
+        within = _loaded_tier(placer)
+        decision = place(facts.session.source, ranked, snapshot, view, now, params, within)
         if record:
             if balance is not None:
                 fleet.load.placed(decision.placement.primary, now, balance)

@@ -29,6 +29,7 @@ from extproc.core.load import LoadReport
 from extproc.core.placement import Placement
 from extproc.metrics import Metrics
 from extproc.names import PRIMARY_HEADER
+from extproc.pipeline.explain import explain_outcome
 from extproc.pipeline.fleet_state import (
     PROBE_INTERVAL_S,
     FleetState,
@@ -276,18 +277,23 @@ class Proc:
     def sample(self, name: str, **labels: str) -> float:
         return sample(self.registry, name, **labels)
 
-    def session_on(self, primary: str, tag: str, then: str | None = None) -> str:
-        """A session id whose hash order (short class) starts with ``primary`` (, ``then``)."""
+    def session_on(
+        self, primary: str, tag: str, then: str | None = None, model: str | None = None
+    ) -> str:
+        """A session id whose hash order (short class; ``model``'s clusters when given) starts
+        with ``primary`` (, ``then``)."""
         for i in range(10_000):
             sid = f"{tag}-{i}"
-            order = self.hash_order(sid)
+            order = self.hash_order(sid, model)
             if order[0] == primary and then in (None, order[1]):
                 return sid
         raise AssertionError("no session found")
 
-    def hash_order(self, sid: str) -> list[str]:
+    def hash_order(self, sid: str, model: str | None = None) -> list[str]:
         point = hash_key(KeySource.HEADER, sid.encode()).point
-        return self.runtime.policy.placers["short"].ranked(point)
+        policy = self.runtime.policy
+        placer = policy.model_placers[("short", model)] if model else policy.placers["short"]
+        return placer.ranked(point)
 
 
 @pytest.fixture
@@ -325,9 +331,9 @@ def _header_map(pairs: dict[str, str]) -> base_pb2.HeaderMap:
     )
 
 
-def request_messages(sid: str) -> list[ep.ProcessingRequest]:
+def request_messages(sid: str, model: str = "m") -> list[ep.ProcessingRequest]:
     head = {":method": "POST", ":path": CHAT, "content-type": "application/json"}
-    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})
     return [
         ep.ProcessingRequest(
             request_headers=ep.HttpHeaders(headers=_header_map({**head, "x-session-id": sid}))
@@ -357,8 +363,8 @@ class Exchange:
         assert answer is not grpc.aio.EOF
         return answer
 
-    async def route(self, sid: str) -> str:
-        head, body = request_messages(sid)
+    async def route(self, sid: str, model: str = "m") -> str:
+        head, body = request_messages(sid, model)
         await self.send(head)
         answer = await self.send(body)
         sets = answer.request_body.response.header_mutation.set_headers
@@ -371,10 +377,14 @@ class Exchange:
 
 
 async def full_request(
-    proc: Proc, sid: str, orca: str | None = None, served_by: str | None = "same"
+    proc: Proc,
+    sid: str,
+    orca: str | None = None,
+    served_by: str | None = "same",
+    model: str = "m",
 ) -> str:
     ex = Exchange(proc)
-    primary = await ex.route(sid)
+    primary = await ex.route(sid, model)
     answer = await ex.send(response_message(primary if served_by == "same" else served_by, orca))
     assert answer.WhichOneof("response") == "response_headers"
     assert not answer.response_headers.HasField("response")  # read, never modified
@@ -531,6 +541,78 @@ async def test_a_response_naming_an_unknown_cluster_is_credited_to_the_chosen_on
     assert await full_request(proc, sid, PRESSURED, served_by="some-pod-7") == "c1"
     assert proc.sample("fleet_cluster_kv_usage", cluster="c1") == 0.9
     assert proc.sample("fleet_failovers_observed_total", cluster="c1") == 0
+
+
+# -- a LoRA adapter's sessions with affinity on ---------------------------------------------------
+# "sql-lora" is loaded on c1 and c2, "chat-lora" on c3; every cluster serves their base model "m"
+# and could load either on demand, at the cost of loading it first.
+LOADED = {"c1": ["sql-lora"], "c2": ["sql-lora"], "c3": ["chat-lora"]}
+
+
+def adapter_doc() -> dict[str, Any]:
+    doc = fleet_doc(**PURE_HASH)
+    for cluster in doc["clusters"]:
+        cluster["models"] = [{"name": "m", "adapters": LOADED[cluster["name"]]}]
+    return doc
+
+
+async def previewed(proc: Proc, sid: str, model: str) -> tuple[str, str]:
+    """explain's preview of the request (the live state, nothing recorded): kind, primary."""
+    head, body = request_messages(sid, model)
+    headers = {h.key: h.raw_value.decode() for h in head.request_headers.headers.headers}
+    outcome = await proc.processor.pipeline.preview(
+        headers, body.request_body.body, time.monotonic()
+    )
+    assert isinstance(outcome, Routed), outcome
+    shown = explain_outcome(proc.runtime, outcome)
+    assert (shown["kind"], shown["primary"]) == (outcome.kind, outcome.route.placement.primary)
+    return outcome.kind, outcome.route.placement.primary
+
+
+async def test_with_affinity_an_adapters_sessions_stay_where_it_is_loaded_while_one_is_healthy(
+    start: Callable[..., Any],
+) -> None:
+    proc: Proc = await start(adapter_doc())
+    # Its loaded clusters rank first in every sql-lora session's hash order (core.models).
+    assert all(set(proc.hash_order(f"s{i}", "sql-lora")[:2]) == {"c1", "c2"} for i in range(20))
+    # c1 and c2 report KV pressure: a new base-model session leaves them for c3 ...
+    on = {c: proc.session_on(c, f"load-{c}", model="m") for c in ("c1", "c2", "c3")}
+    for cluster in ("c1", "c2"):
+        assert await full_request(proc, on[cluster], PRESSURED, model="m") == cluster
+    assert await full_request(proc, proc.session_on("c1", "base", model="m"), model="m") == "c3"
+    assert proc.sample("fleet_route_decisions_total", kind="spilled") == 1
+    # ... but sql-lora's new sessions stay on their (pressured) loaded primary: the idle c3
+    # would load the adapter first. explain's preview says the same.
+    loaded = ("c1", "c2")
+    sql = {c: [proc.session_on(c, f"sql{i}", model="sql-lora") for i in range(3)] for c in loaded}
+    for cluster in loaded:
+        for sid in sql[cluster]:
+            assert await previewed(proc, sid, "sql-lora") == ("primary", cluster)
+            assert await full_request(proc, sid, model="sql-lora") == cluster
+    # c1 calm again, c3 pressured: chat-lora (loaded on c3 alone) stays on c3; sql-lora's new
+    # sessions hashed to the pressured c2 spill to c1, never to c3.
+    assert await full_request(proc, on["c1"], CALM, model="m") == "c1"
+    assert await full_request(proc, on["c3"], PRESSURED, model="m") == "c3"
+    for i in range(3):
+        chat = proc.session_on("c3", f"chat{i}", model="chat-lora")
+        assert await previewed(proc, chat, "chat-lora") == ("primary", "c3")
+        assert await full_request(proc, chat, model="chat-lora") == "c3"
+        new_sql = proc.session_on("c2", f"sql-new{i}", model="sql-lora")
+        assert await previewed(proc, new_sql, "sql-lora") == ("spilled", "c1")
+        assert await full_request(proc, new_sql, model="sql-lora") == "c1"
+    # c1 fails (Envoy failed over from it): its sql-lora sessions move to c2, loaded and
+    # healthy though pressured, not to c3 (calm again, idle, without the adapter).
+    assert await full_request(proc, on["c3"], CALM, model="m") == "c3"
+    assert await full_request(proc, on["c1"], CALM, served_by="c3", model="m") == "c1"
+    moving = sql["c1"][0]
+    assert await previewed(proc, moving, "sql-lora") == ("migrated", "c2")
+    assert await full_request(proc, moving, model="sql-lora") == "c2"
+    assert proc.sample("fleet_migrations_total", reason="unhealthy") == 1
+    # c2 fails too: no loaded cluster is healthy, so the session may leave them (failover).
+    assert await full_request(proc, on["c2"], CALM, served_by="c3", model="m") == "c2"
+    assert await previewed(proc, moving, "sql-lora") == ("migrated", "c3")
+    assert await full_request(proc, moving, model="sql-lora") == "c3"
+    assert proc.sample("fleet_migrations_total", reason="unhealthy") == 2
 
 
 # -- bounded placement of new sessions with load-aware affinity off (the product default) ------

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from extproc.config import ConfigError, compile_runtime, parse_config
 from extproc.config.runtime import DEFAULT_BALANCE_FACTOR, Overrides, Runtime
@@ -75,8 +77,10 @@ def decide(
     ranked: tuple[str, ...] = RANKED,
     params: AffinityParams = PARAMS,
     now: float = NOW,
+    within: int | None = None,
 ) -> Decision:
-    return place((f or facts()).session.source, ranked, snapshot, session, now, params)
+    source = (f or facts()).session.source
+    return place(source, ranked, snapshot, session, now, params, within)
 
 
 # -- a quiet fleet is pure hashing ------------------------------------------------------------
@@ -580,3 +584,125 @@ def test_invalid_affinity_settings_fail_at_load_time_with_their_path(
     affinity: dict[str, object], expected: str
 ) -> None:
     assert expected in config_problems(enabled=True, **affinity)
+
+
+# -- a LoRA adapter: moves stay among the clusters that have it loaded --------------------------
+# ``within=2``: the adapter is loaded on c1 and c2 (the Candidates.preferred tier, ranked first);
+# c3 and c4 serve its base model and would have to load it first.
+
+
+def test_an_adapter_session_spills_only_to_a_cluster_that_has_it_loaded() -> None:
+    loads = snap(c1=reported(0.90))
+    assert decide(loads, within=2).placement == Placement("c2", "c3")
+    # Loaded on c1 and c2, both pressured: the idle c3 and c4 would have to load it first, so
+    # the session starts on its hash primary and the budget decides (as with no room anywhere).
+    both = snap(c1=reported(0.90), c2=reported(0.90))
+    assert decide(both).placement.primary == "c3"  # no adapter: the first with room
+    d = decide(both, within=2)
+    assert (d.kind, d.placement.primary, d.override_to_write) == ("primary", "c1", None)
+    # Loaded on c1 alone: nowhere to spill to, whatever the others hold.
+    assert decide(loads, within=1).placement.primary == "c1"
+
+
+def test_an_adapter_sessions_saturation_and_share_are_judged_among_its_loaded_clusters() -> None:
+    # 8 in flight on each loaded cluster: over 1.5 x the mean of the four (4), not of the two (8).
+    busy = snap(c1=ClusterLoad(inflight=8), c2=ClusterLoad(inflight=8))
+    assert decide(busy).kind == "spilled"
+    assert decide(busy, within=2).kind == "primary"
+    # The share bound as place_bounded's ``within`` (tests/unit/test_bounded_placement.py).
+    shares = recent(c1=20.0, c2=10.0)
+    assert decide(shares, params=BALANCED).placement.primary == "c3"
+    d = decide(shares, params=BALANCED, within=2)
+    assert (d.kind, d.placement) == ("spilled", Placement("c2", "c1"))
+
+
+def test_a_hot_adapter_key_is_spread_only_over_its_loaded_clusters() -> None:
+    f = facts(KeySource.PREFIX, "viral system prompt on an adapter")
+    spread = {decide(snap(), hot_view(s), f=f, within=2).placement.primary for s in range(30)}
+    assert spread == {"c1", "c2"}
+    # Loaded on one cluster: nothing to spread over, the ordinary rules keep it there.
+    alone = {decide(snap(), hot_view(s), f=f, within=1).placement.primary for s in range(30)}
+    assert alone == {"c1"}
+
+
+def test_an_adapter_session_migrates_within_its_loaded_clusters_while_one_is_healthy() -> None:
+    # c1 failed; c2 (loaded) is saturated, c3 (not loaded) idle. A session moving for its
+    # primary's failure re-prefills anyway, but on c3 it would load the adapter first too.
+    loads = snap(c1=ClusterLoad(healthy=False), c2=ClusterLoad(inflight=30))
+    assert decide(loads, EXISTING).placement.primary == "c3"
+    moved = decide(loads, EXISTING, within=2)
+    assert (moved.kind, moved.placement.primary, moved.migrated_from) == ("migrated", "c2", "c1")
+    # An override on a loaded cluster that runs out of memory moves within the tier too.
+    on_c2 = SessionView(seen=True, override=Override("c2", NOW + 250.0))
+    critical = snap(c2=reported(0.98), c1=ClusterLoad(inflight=30))
+    assert decide(critical, on_c2).placement.primary == "c3"
+    moved = decide(critical, on_c2, within=2)
+    assert (moved.kind, moved.placement.primary) == ("migrated", "c1")
+
+
+def test_an_adapter_session_leaves_its_loaded_clusters_only_when_none_is_healthy() -> None:
+    down = snap(c1=ClusterLoad(healthy=False), c2=ClusterLoad(healthy=False))
+    for session in (NEW, EXISTING):
+        assert decide(down, session, within=2) == decide(down, session)
+        assert decide(down, session, within=2).placement.primary == "c3"
+    # A pressured loaded cluster is still a healthy one: with no room anywhere among them, the
+    # session goes there (a new one, and one leaving its failed primary), not to the idle c3.
+    pressured = snap(c1=ClusterLoad(healthy=False), c2=reported(0.92))
+    assert decide(pressured).placement.primary == "c3"
+    for session in (NEW, EXISTING):
+        assert decide(pressured, session, within=2).placement.primary == "c2"
+
+
+_STATES = st.sampled_from(
+    [
+        ClusterLoad(),
+        ClusterLoad(healthy=False),
+        reported(0.5, inflight=2),
+        reported(0.9),
+        reported(0.99),
+        ClusterLoad(inflight=12),
+        ClusterLoad(recent=20.0),
+        ClusterLoad(healthy=False, recent=5.0),
+    ]
+)
+
+
+@settings(derandomize=True, database=None, max_examples=400, deadline=None)
+@given(
+    states=st.lists(_STATES, min_size=4, max_size=4),
+    within=st.integers(1, 4),
+    seen=st.booleans(),
+    override_to=st.sampled_from([None, *RANKED]),
+    share=st.sampled_from([0.0, 0.9]),
+    salt=st.integers(0, 5),
+    source=st.sampled_from(list(KeySource)),
+    balance=st.sampled_from([0.0, 1.2]),
+)
+def test_an_adapter_session_starts_and_moves_only_among_its_loaded_clusters(
+    states: list[ClusterLoad],
+    within: int,
+    seen: bool,
+    override_to: str | None,
+    share: float,
+    salt: int,
+    source: KeySource,
+    balance: float,
+) -> None:
+    loads = snap(**dict(zip(RANKED, states, strict=True)))
+    override = None if override_to is None else Override(override_to, NOW + 100.0)
+    session = SessionView(seen, override, share, salt)
+    params = dataclasses.replace(PARAMS, balance_factor=balance)
+    f = facts(source, "k")
+    d = decide(loads, session, f=f, params=params, within=within)
+    tier = RANKED[:within]
+    if within == len(RANKED) or not any(s.healthy for s in states[:within]):
+        # Every candidate has it, or failover: with no loaded cluster healthy, the rules run
+        # over every candidate, exactly as for a base model.
+        assert d == decide(loads, session, f=f, params=params)
+        return
+    # While one loaded cluster is healthy the session runs on a healthy one, among them; only
+    # an override outside them (placed while they were down, say) is followed there, since the
+    # session's cache is there: nothing moves a session out.
+    assert states[RANKED.index(d.placement.primary)].healthy, d
+    if d.placement.primary not in tier:
+        assert (d.kind, d.placement.primary) == ("override", override_to), d
