@@ -312,7 +312,8 @@ def place(
     over every candidate. An override elsewhere is still followed (the session's cache is
     there) and the secondary is still the first usable candidate in hash order."""
     primary = ranked[0]
-    among, tier = _loaded(ranked, snapshot, within)
+    # Inline for the common case, a request without an adapter: not one call more than before.
+    among, tier = _loaded(ranked, snapshot, within) if within else (ranked, False)
     judge = _judge(among, snapshot, now, params)
 
     if (
