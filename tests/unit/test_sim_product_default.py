@@ -15,14 +15,18 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.config import compile_runtime, parse_config
-from extproc.config.runtime import DEFAULT_BALANCE_FACTOR, Runtime
+from extproc.config.runtime import DEFAULT_BALANCE_FACTOR, Runtime, with_sketch
+from extproc.core.chains import ChainParams, ChainSketch
 from extproc.core.facts import ParseLimits, RequestFacts, parse_request
+from extproc.harness.layouts import LayoutConfig, generate_layout
+from extproc.harness.workload import ReplayRequest
 from extproc.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
+from extproc.sim.engine import run_policy
 from extproc.sim.model import FleetShape
 from extproc.sim.policies import FleetView, ProductDefault
-from extproc.sim.scenario import SimOptions, simulate
+from extproc.sim.scenario import SimOptions, build, simulate
 from extproc.sim.vector import ranking
 
 CLUSTERS = 16
@@ -59,6 +63,10 @@ def requests(sessions: int, seed: int) -> list[tuple[float, int]]:
         for turn in range(rng.randint(1, 4)):
             out.append((start + turn * rng.uniform(5.0, 40.0), s))
     return sorted(out)
+
+
+def arrival(request: ReplayRequest) -> float:
+    return request.arrival_s
 
 
 def pipeline_primaries(runtime: Runtime, sequence: list[tuple[float, int]]) -> list[str]:
@@ -188,3 +196,53 @@ def test_a_dead_cluster_is_not_known_to_the_processor_and_envoy_fails_over() -> 
     policy = ProductDefault()
     assert policy.route(fleet_view(names, [0], alive), 0, True, 0.0) == [(secondary, primary)]
     assert policy.kinds == {"primary": 1}
+
+
+@pytest.mark.parametrize("layout", ["first-user", "anthropic", "completions-8k"])
+def test_a_layout_run_serves_every_request_where_the_pipeline_places_it(layout: str) -> None:
+    """The whole issue-15 comparison path: the layout keyed by the simulator
+    (``processor_sessions``: the chain key, one sketch in arrival order), run by the engine
+    with ``product-default``, against the real pipeline keying the same bodies through its own
+    chain sketch (as ``serve`` gives it one) at the same instants, default config."""
+    options = SimOptions(
+        layout=layout,
+        key="chain",
+        layout_conversations=200,
+        sessions=200,
+        shape=FleetShape(16, spares=0),
+        events=(),
+        policies=("product-default",),
+    )
+    prepared = build(options)
+    scenario = prepared.scenario
+    run = run_policy(scenario, prepared.config, "product-default")
+    simulated = [scenario.names[c] for c in run.served_on.tolist()]
+    assert run.spilled_sessions > 0
+    data: dict[str, Any] = {
+        "version": 1,
+        "clusters": [
+            {"name": name, "endpoints": [f"127.0.0.1:{9000 + i}"]}
+            for i, name in enumerate(scenario.names)
+        ],
+    }
+    runtime = with_sketch(
+        compile_runtime(parse_config(data, "test.yaml")), ChainSketch(ChainParams())
+    )
+    pipeline = Pipeline(RuntimeHolder(runtime), Metrics(CollectorRegistry()))
+    requests = sorted(generate_layout(LayoutConfig(layout=layout, conversations=200)), key=arrival)
+    # The same instants (the copy offset arithmetic may move the last bit).
+    assert [r.arrival_s for r in requests] == pytest.approx(list(scenario.traffic.times))
+
+    async def place() -> list[str]:
+        out = []
+        for request in requests:
+            outcome = await pipeline.decide(
+                {":method": "POST", ":path": request.path, "content-type": "application/json"},
+                orjson.dumps(request.materialize()),
+                request.arrival_s,
+            )
+            assert isinstance(outcome, Routed)
+            out.append(outcome.route.placement.primary)
+        return out
+
+    assert simulated == asyncio.run(place())
