@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (
@@ -108,6 +110,10 @@ class Metrics:
             "ext_proc streams currently open (one per HTTP exchange in flight).",
             registry=registry,
         )
+        # Read at scrape time from the servicers' own counts (count_streams_of): a gauge
+        # inc and dec per stream are two locked calls on the request path.
+        self._stream_counts: list[Callable[[], int]] = []
+        self.streams_active.set_function(lambda: float(sum(f() for f in self._stream_counts)))
         self.config_info = Gauge(
             "fleet_config_info",
             "The fleet config version being served (value is always 1).",
@@ -246,3 +252,7 @@ class Metrics:
             "Inspected responses that carried no usage.",
             registry=registry,
         )
+
+    def count_streams_of(self, open_streams: Callable[[], int]) -> None:
+        """fleet_extproc_streams_active adds ``open_streams()`` (a servicer's open streams)."""
+        self._stream_counts.append(open_streams)

