@@ -22,7 +22,9 @@ processor's CPU time per request (utime + stime from /proc/<pid>/stat).
 
 ``--baseline REV`` adds a fourth set-up, ``baseline``: the real processor as of another git
 revision (checked out into a temporary worktree and run from there with the same interpreter
-and dependencies), so a change is compared with the code before it in the same run.
+and dependencies), so a change is compared with the code before it in the same run. It runs
+the config of the set-up it is compared with (``--baseline-path``): the body path, beside the
+``extproc`` row (the default), or the header path (the defaults), beside the ``header`` row.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ LARGE_BODY = 4 << 20
 # "bare@glibc" etc.: a set-up whose processor runs with another allocator setting (--malloc).
 MALLOC_SEP = "@"
 BASELINE_SETUP = "baseline"
+# --baseline-path: the set-up whose config the baseline runs and beside which it is reported.
+BASELINE_PATHS = {"body": "extproc", "header": "header"}
 # `extproc-wN`: the real processor as N worker processes sharing the port (SO_REUSEPORT).
 WORKER_SETUP = "extproc-w"
 SIZES = {"1KB": 1024, "64KB": 64 * 1024, "4MiB": 4 << 20, "16MiB": 16 << 20}
@@ -285,10 +289,12 @@ class Bench:
         wrk: str,
         baseline_src: Path | None = None,
         session_header: bool = True,
+        baseline_path: str = "body",
     ) -> None:
         self.workdir = workdir
         self.session_header = session_header
         self.baseline_src = baseline_src
+        self.baseline_of = BASELINE_PATHS[baseline_path]
         self.duration = duration
         self.wrk = wrk
         self.up_ports = [free_port(), free_port()]
@@ -322,8 +328,10 @@ class Bench:
     def setup_config(self, setup: str) -> Path:
         """The fleet.yaml of a set-up of the real processor: the body path (``extproc``, its
         workers and variants), the header path (``header``: the defaults), or the baseline's
-        (the defaults, which an older revision reads as its own)."""
-        if setup in ("header", BASELINE_SETUP):
+        (that of the set-up it is compared with, which an older revision reads as its own)."""
+        if setup == BASELINE_SETUP:
+            setup = self.baseline_of
+        if setup == "header":
             return self.fleet_path
         doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.fleet.items()}
         variant = setup.partition("+")[2]
@@ -426,7 +434,7 @@ class Bench:
 
             wait_until(ready, 120, f"{setup} processor")  # a loaded machine starts slowly
         mode: Mode = "round_robin" if setup == "envoy" else "extproc"
-        processes = setup.startswith("extproc") or setup == "header"
+        processes = setup.startswith("extproc") or setup in ("header", BASELINE_SETUP)
         runtime = load_runtime(self.setup_config(setup)) if processes else self.runtime
         config = render_bootstrap(runtime, EnvoyOptions(mode=mode, access_log_path=None))
         front = self._envoy(f"front-{setup}", config, self.front_admin)
@@ -539,6 +547,7 @@ def run_bench(
     mallocs: list[str] | None = None,
     idle_seconds: float = 0.0,
     large_duration: float | None = None,
+    baseline_path: str = "body",
 ) -> list[WrkResult]:
     wrk = shutil.which("wrk")
     if not wrk:
@@ -548,7 +557,7 @@ def run_bench(
     results: list[WrkResult] = []
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         baseline_src = _checkout(baseline, Path(tmp) / "baseline") if baseline else None
-        bench = Bench(Path(tmp), duration, wrk, baseline_src, session_header)
+        bench = Bench(Path(tmp), duration, wrk, baseline_src, session_header, baseline_path)
         try:
             bench.start_upstream()
             setups = list(setups_wanted or SETUPS) + ([BASELINE_SETUP] if baseline_src else [])
@@ -756,7 +765,7 @@ def _path_cells(
     ]
 
 
-def summarize(results: list[WrkResult]) -> list[str]:
+def summarize(results: list[WrkResult], baseline_path: str = "body") -> list[str]:
     by = {(r.setup, r.size, r.connections): r for r in medians(results)}
     lines = [
         "| body | conns | p50 / p99 ms: Envoy alone | + bare | + extproc, body path "
@@ -785,7 +794,7 @@ def summarize(results: list[WrkResult]) -> list[str]:
     lines += _against_extproc(by, multi, "rps: extproc (1 worker) / ", with_ratio=True)
     extras = sorted({r.setup for r in results if "+" in r.setup})
     lines += _against_extproc(by, extras, "rps: extproc / ", with_ratio=False)
-    lines += _against_baseline(by)
+    lines += _against_baseline(by, BASELINE_PATHS[baseline_path])
     skipped = [r for r in results if r.bypassed]
     if skipped:
         lines.append(
@@ -797,19 +806,21 @@ def summarize(results: list[WrkResult]) -> list[str]:
     return lines
 
 
-def _against_baseline(by: dict[tuple[str, str, int], WrkResult]) -> list[str]:
-    """This code beside the baseline revision's, in the same run."""
+def _against_baseline(
+    by: dict[tuple[str, str, int], WrkResult], against: str = "extproc"
+) -> list[str]:
+    """This code (the ``against`` set-up) beside the baseline revision's, in the same run."""
     pairs = [
         (one, by[(BASELINE_SETUP, size, conns)])
         for (setup, size, conns), one in by.items()
-        if setup == "extproc" and (BASELINE_SETUP, size, conns) in by
+        if setup == against and (BASELINE_SETUP, size, conns) in by
     ]
     if not pairs:
         return []
     lines = [
         "",
-        "| body | conns | rps: baseline / this | p50 ms: baseline / this | p99 ms: baseline / this"
-        " | CPU us/req: baseline / this | this / baseline rps |",
+        f"| body ({against}) | conns | rps: baseline / this | p50 ms: baseline / this"
+        " | p99 ms: baseline / this | CPU us/req: baseline / this | this / baseline rps |",
         "|---|---|---|---|---|---|---|",
     ]
     for now, old in pairs:
@@ -953,6 +964,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run the processor as of this git revision (e.g. the commit before a change)",
     )
     parser.add_argument(
+        "--baseline-path",
+        choices=tuple(BASELINE_PATHS),
+        default="body",
+        help="the baseline runs the body path (beside the extproc row) or the header path"
+        " (beside the header row)",
+    )
+    parser.add_argument(
         "--setups",
         default=",".join(SETUPS),
         help=f"which of {','.join(SETUPS)} to run (the summary table needs envoy and bare)",
@@ -1025,8 +1043,9 @@ def run(args: argparse.Namespace) -> int:
         mallocs,
         args.idle_seconds,
         args.large_duration,
+        args.baseline_path,
     )
-    print("\n".join(summarize(results)))
+    print("\n".join(summarize(results, args.baseline_path)))
     out = Path(args.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps([asdict(r) for r in results], option=orjson.OPT_INDENT_2))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from extproc.bench import overhead
+from extproc.config import load_runtime
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,3 +39,28 @@ def test_the_check_fails_where_the_working_directory_would_win(
     tree = _tree(tmp_path)
     with pytest.raises(RuntimeError, match="not from"):
         overhead.assert_runs_from(tree, {"PYTHONPATH": str(tree)})
+
+
+def test_the_baseline_runs_the_config_of_the_row_it_is_compared_with(tmp_path: Path) -> None:
+    """Compared with the extproc row (the body path) the baseline must read bodies too: with
+    the defaults it took the header path and looked ~25 % cheaper than the body path."""
+    (tmp_path / "b").mkdir()
+    (tmp_path / "h").mkdir()
+    body = overhead.Bench(tmp_path / "b", 1.0, "wrk")
+    header = overhead.Bench(tmp_path / "h", 1.0, "wrk", baseline_path="header")
+    assert load_runtime(body.setup_config(overhead.BASELINE_SETUP)).decide_at_headers is False
+    assert load_runtime(body.setup_config("extproc")).decide_at_headers is False
+    assert load_runtime(header.setup_config(overhead.BASELINE_SETUP)).decide_at_headers is True
+
+
+def test_the_baseline_table_pairs_the_baseline_with_its_row() -> None:
+    def result(setup: str, cpu: float) -> overhead.WrkResult:
+        return overhead.WrkResult(setup, "1KB", 1, 100, 50.0, 1.0, 2.0, 0, cpu, 0, 0.0, 80.0)
+
+    results = [result("extproc", 900.0), result("header", 700.0), result("baseline", 800.0)]
+    body = overhead._against_baseline({(r.setup, r.size, r.connections): r for r in results})
+    assert "| 800 / 900 |" in body[-1]
+    header = overhead._against_baseline(
+        {(r.setup, r.size, r.connections): r for r in results}, "header"
+    )
+    assert "| 800 / 700 |" in header[-1]
