@@ -45,6 +45,7 @@ from typing import Any
 import orjson
 import yaml
 
+from extproc.bench import pyprofile
 from extproc.config import load_runtime
 from extproc.harness.launch import LOOPBACK, Proc, envoy_binary, free_port, http_get, wait_until
 from extproc.render.envoy import EnvoyOptions, Mode, ext_type, render_bootstrap
@@ -324,6 +325,9 @@ class Bench:
         self.fleet_path.write_text(yaml.safe_dump(fleet))
         self.runtime = load_runtime(self.fleet_path)
         self.procs: list[Proc] = []
+        # `bench profile --python`: run each processor under extproc.bench.pyprofile, its stats
+        # written here as <set-up>.prof.
+        self.python_profile: Path | None = None
 
     def setup_config(self, setup: str) -> Path:
         """The fleet.yaml of a set-up of the real processor: the body path (``extproc``, its
@@ -378,9 +382,8 @@ class Bench:
         self.procs.append(proc)
         wait_until(lambda: _ok(self.up_admin, "/ready"), 30, "upstream ready")
 
-    def start_setup(self, setup: str) -> tuple[Proc, Proc | None]:
-        # "<set-up>@glibc": the same set-up, its processor on glibc's malloc defaults.
-        setup, _, malloc = setup.partition(MALLOC_SEP)
+    def processor(self, setup: str) -> Proc | None:
+        """The processor of a set-up, not started (None: Envoy alone)."""
         processor: Proc | None = None
         if setup in ("bare", BARE_HEADER):
             argv = [
@@ -399,7 +402,8 @@ class Bench:
             # -P: `python -m` otherwise puts the working directory first on sys.path, and run
             # from this repository (as `extproc bench` is) the baseline set-up ran this tree's
             # code, not the older one's. With it the older tree (PYTHONPATH) comes first.
-            argv = [*BASELINE_PYTHON, "-m", "extproc", "serve", "--config", str(self.fleet_path)]
+            config = str(self.setup_config(setup))
+            argv = [*BASELINE_PYTHON, "-m", "extproc", "serve", "--config", config]
             argv += ["--log-level", "warning", "--workers", "1"]
             env = {"PYTHONPATH": str(self.baseline_src)}
             assert_runs_from(self.baseline_src, env)
@@ -420,7 +424,16 @@ class Bench:
                 str(workers),
             ]
             processor = Proc(setup, argv, self.workdir / f"{setup}.log")
+        return processor
+
+    def start_setup(self, setup: str) -> tuple[Proc, Proc | None]:
+        # "<set-up>@glibc": the same set-up, its processor on glibc's malloc defaults.
+        setup, _, malloc = setup.partition(MALLOC_SEP)
+        processor = self.processor(setup)
         if processor is not None:
+            if self.python_profile is not None and setup != BASELINE_SETUP:
+                out = self.python_profile / f"{setup}.prof"
+                processor.argv = pyprofile.wrapped(processor.argv, out)
             if malloc:
                 processor.env = {**(processor.env or {}), allocator.ENV: malloc}
             processor.start()

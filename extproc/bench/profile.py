@@ -11,7 +11,9 @@ each set-up's processor CPU per request and the front Envoy's: the ext_proc exch
 Envoy CPU too, on the same cores.
 
 The Python share is split further by `extproc bench handler` (the processor's own handler
-code in process, without gRPC).
+code in process, without gRPC), or with ``--python`` through Envoy: each processor runs under
+cProfile (extproc/bench/pyprofile.py), switched on for exactly the measured wrk run, and the
+report lists its Python functions per request (calls and self time) instead of the layers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from extproc.bench import pyprofile
 from extproc.bench.overhead import SETUPS, Bench, tree_cpu_seconds
 
 # Shared objects by the layer they belong to; the first pattern that matches names it.
@@ -78,6 +81,9 @@ class Profile:
     envoy_us_per_req: float
     samples: int = 0
     shares: dict[str, float] = field(default_factory=dict)
+    # --python: the processor's Python self time per request under cProfile, and its functions.
+    python_us_per_req: float | None = None
+    functions: list[pyprofile.Row] = field(default_factory=list)
 
 
 def _perf_samples(header: str) -> int:
@@ -107,8 +113,21 @@ def profile_setup(
             )
             time.sleep(0.5)  # perf attaches before the load starts
         assert front.popen is not None
+        stats = bench.python_profile / f"{setup}.prof" if bench.python_profile else None
+        toggled = stats is not None and processor is not None and processor.popen is not None
+        if toggled:
+            assert processor is not None
+            processor.signal(pyprofile.SIGNAL)  # profiler on
+            time.sleep(0.2)
         envoy0 = tree_cpu_seconds(front.popen.pid)
         result = bench.run_wrk(setup, size, connections, processor)
+        if toggled:
+            assert processor is not None and stats is not None
+            processor.signal(pyprofile.SIGNAL)  # off: the stats are written
+            deadline = time.monotonic() + 30
+            while not stats.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(0.5)  # the write completes
         envoy_us = (tree_cpu_seconds(front.popen.pid) - envoy0) / max(1, result.requests) * 1e6
         out = Profile(
             setup, result.requests, result.rps, result.p50_ms, result.proc_cpu_us_per_req, envoy_us
@@ -125,6 +144,8 @@ def profile_setup(
             ).stdout
             out.samples = _perf_samples(report)
             out.shares = split_by_layer(report)
+        if toggled and stats is not None and stats.exists():
+            out.python_us_per_req, out.functions = pyprofile.per_request(stats, result.requests)
         return out
     finally:
         front.stop()
@@ -160,6 +181,36 @@ def table(profiles: list[Profile]) -> list[str]:
             ]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         lines.append("| samples | " + " | ".join(str(p.samples) for p in procs) + " |")
+    lines += python_table(profiles)
+    return lines
+
+
+def python_table(profiles: list[Profile], top: int = 25) -> list[str]:
+    """--python: each set-up's Python self time per request, then its top functions."""
+    profiled = [p for p in profiles if p.python_us_per_req is not None]
+    if not profiled:
+        return []
+    lines = [
+        "",
+        "Python under cProfile (inflated several times for small calls: compare set-ups):",
+        "",
+        "| set-up | Python self time, us/req | functions |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {p.setup} | {p.python_us_per_req:.0f} | {len(p.functions)} |" for p in profiled]
+    for p in profiled:
+        lines += [
+            "",
+            f"{p.setup}: calls / self us / cumulative us per request",
+            "",
+            "| function | calls | self | cumulative |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r.function} | {r.calls_per_req:.2f} | {r.self_us_per_req:.1f} "
+            f"| {r.total_us_per_req:.1f} |"
+            for r in p.functions[:top]
+        ]
     return lines
 
 
@@ -172,6 +223,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-perf", action="store_true", help="CPU per request only (no perf record)"
     )
+    parser.add_argument(
+        "--python",
+        action="store_true",
+        help="cProfile each processor during the measured run (Python functions per request)"
+        " instead of perf's layers",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -183,19 +240,28 @@ def run(args: argparse.Namespace) -> int:
     if not wrk:
         print("wrk not found: `make bench-deps` installs it", file=sys.stderr)
         return 2
-    perf = None if args.no_perf else shutil.which("perf")
-    if not args.no_perf and perf is None:
+    use_perf = not (args.no_perf or args.python)
+    perf = shutil.which("perf") if use_perf else None
+    if use_perf and perf is None:
         print("perf not found (linux-perf / linux-tools); or pass --no-perf", file=sys.stderr)
         return 2
     profiles = []
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
         bench = Bench(Path(tmp), args.duration, wrk)
+        if args.python:
+            bench.python_profile = Path(tmp)
         try:
             bench.start_upstream()
             for setup in setups:
                 prof = profile_setup(bench, setup, args.size, args.connections, args.warmup, perf)
                 profiles.append(prof)
-                print(f"{setup}: {prof}", file=sys.stderr, flush=True)
+                cpu = prof.processor_us_per_req
+                print(
+                    f"{setup}: {prof.requests} requests, {prof.rps:.0f} rps, processor"
+                    f" {cpu if cpu is None else round(cpu)} us/req",
+                    file=sys.stderr,
+                    flush=True,
+                )
         finally:
             bench.stop_all()
     print(f"{args.size}, {args.connections} connections, {args.duration:g} s per set-up")

@@ -64,3 +64,18 @@ def test_the_baseline_table_pairs_the_baseline_with_its_row() -> None:
         {(r.setup, r.size, r.connections): r for r in results}, "header"
     )
     assert "| 800 / 700 |" in header[-1]
+
+
+def test_the_baseline_processor_is_started_with_that_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not only its Envoy: the processor too (it was given the defaults, the header path)."""
+    monkeypatch.setattr(overhead, "assert_runs_from", lambda _tree, _env: None)
+    (tmp_path / "w").mkdir()
+    bench = overhead.Bench(tmp_path / "w", 1.0, "wrk", baseline_src=tmp_path)
+    baseline = bench.processor(overhead.BASELINE_SETUP)
+    extproc = bench.processor("extproc")
+    assert baseline is not None and extproc is not None
+    config = baseline.argv[baseline.argv.index("--config") + 1]
+    assert load_runtime(Path(config)).decide_at_headers is False
+    assert config == extproc.argv[extproc.argv.index("--config") + 1]
