@@ -141,6 +141,9 @@ class DecisionRow:
     packed_miss_us: float = 0.0  # the big-integer path alone, measured in the same passes
     weighted_miss_us: float = 0.0  # the processor's path with unequal weights (1, 2, 3, 4, ...)
     decide_us: dict[str, float] = field(default_factory=dict)
+    # New sessions only (every request a first turn), first design: the default bound off,
+    # judged by the full ranking and snapshot (the path before the kept totals), and as served.
+    new_session_us: dict[str, float] = field(default_factory=dict)
 
 
 def fleet_doc(n: int, per: int, design: Design, ports: Sequence[int]) -> dict[str, Any]:
@@ -368,8 +371,15 @@ def _chat(session: int, turn: int) -> tuple[dict[str, str], bytes]:
     return headers, body
 
 
-async def decide_us(runtime: Runtime, requests: int, clock: Clock = time.perf_counter) -> float:
-    """Mean µs of ``Pipeline.decide`` (admission included) on sessions of five turns each."""
+async def decide_us(
+    runtime: Runtime,
+    requests: int,
+    clock: Clock = time.perf_counter,
+    turns: int = 5,
+    share_totals: bool = True,
+) -> float:
+    """Mean µs of ``Pipeline.decide`` (admission included) on sessions of ``turns`` turns
+    each. ``share_totals`` False: the bound judged without the load table's kept totals."""
     registry = CollectorRegistry()
     gate = build_gate(runtime, registry, time.monotonic, random.Random(0))
     # As `extproc serve` runs the pool design: a prober's ready set (here: every endpoint, not
@@ -381,8 +391,9 @@ async def decide_us(runtime: Runtime, requests: int, clock: Clock = time.perf_co
         Metrics(registry),
         gate,
         endpoint_health=health if runtime.endpoint_picker else None,
+        share_totals=share_totals,
     )
-    work = [_chat(i // 5, i % 5) for i in range(requests)]
+    work = [_chat(i // turns, i % turns) for i in range(requests)]
     try:
         took = 0.0
         for headers, body in work:
@@ -405,7 +416,25 @@ def measure_decisions(
     for design in designs:
         runtime = runtime_of(fleet_doc(n, 8, design, (1, 2, 3)))
         row.decide_us[design] = asyncio.run(decide_us(runtime, requests, clock))
+    if designs:
+        doc = fleet_doc(n, 8, designs[0], (1, 2, 3))
+        unbound = runtime_of({**doc, "affinity": {"balance_factor": 0}})
+        bound = runtime_of(doc)
+        # Interleaved rounds, best of each: the three compare side by side on a shared machine.
+        for _ in range(3):
+            for name, runtime, totals in (
+                (NEW_BOUND_OFF, unbound, True),
+                (NEW_BOUND_OLD, bound, False),
+                (NEW_BOUND, bound, True),
+            ):
+                took = asyncio.run(decide_us(runtime, requests, clock, 1, totals))
+                row.new_session_us[name] = min(row.new_session_us.get(name, took), took)
     return row
+
+
+NEW_BOUND_OFF = "bound off"
+NEW_BOUND_OLD = "bound, full ranking"
+NEW_BOUND = "bound (default)"
 
 
 def _fmt(value: float | None, unit: str = "", digits: int = 1) -> str:
@@ -433,16 +462,22 @@ def envoy_table(rows: Sequence[EnvoyRow]) -> str:
 
 
 def decision_table(rows: Sequence[DecisionRow], designs: Sequence[Design]) -> str:
+    new = (NEW_BOUND_OFF, NEW_BOUND_OLD, NEW_BOUND) if designs else ()
     lines = [
         "| clusters | top2 loop | top2 miss, packed | top2 miss | top2 miss, weighted "
-        "| top2 cache hit | " + " | ".join(f"decide(), {d}" for d in designs) + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(designs),
+        "| top2 cache hit | "
+        + " | ".join([f"decide(), {d}" for d in designs] + [f"new session, {n}" for n in new])
+        + " |",
+        "|---|---|---|---|---|---|" + "---|" * (len(designs) + len(new)),
     ]
     for r in rows:
         lines.append(
             f"| {r.clusters} | {r.loop_us:.1f} µs | {r.packed_miss_us:.1f} µs "
             f"| {r.miss_us:.1f} µs | {r.weighted_miss_us:.1f} µs | {r.hit_us:.2f} µs | "
-            + " | ".join(f"{r.decide_us[d]:.0f} µs" for d in designs)
+            + " | ".join(
+                [f"{r.decide_us[d]:.0f} µs" for d in designs]
+                + [f"{r.new_session_us[n]:.0f} µs" for n in new]
+            )
             + " |"
         )
     return "\n".join(lines)

@@ -215,6 +215,34 @@ def _placement(ranked: Sequence[str], chosen: str, judge: _Judge) -> Placement:
     return Placement(chosen, secondary)
 
 
+@dataclass(frozen=True, slots=True)
+class RecentShare:
+    """One cluster's recent-placement count, and the sum and number of the counts of the
+    candidates the mean is taken over (all of them healthy), each possibly summed in another
+    order or kept incrementally: equal to :func:`_judge`'s up to rounding."""
+
+    recent: float
+    total: float
+    candidates: int
+
+
+# Relative slack for the rounding between two ways of summing the same decayed counts: a sum of
+# n non-negative terms in another order differs by at most ~n x 2^-53 of the sum, and an
+# incrementally decayed total by a few ulps per update since its last exact resync; 1e-9
+# covers millions of candidates or updates. A verdict inside the slack is left to the exact
+# path.
+SHARE_SLACK = 1e-9
+
+
+def clearly_within_share(share: RecentShare, factor: float) -> bool:
+    """Whether ``share.recent`` is within :meth:`_Judge.over_share`'s limit by more than the
+    rounding of ``share.total`` can move it: then the exact judge says "not over" too."""
+    if factor <= 0:
+        return True
+    limit = factor * (share.total + 1.0) / share.candidates
+    return share.recent + 1.0 < limit * (1.0 - SHARE_SLACK)
+
+
 def _judge(
     ranked: Sequence[str], snapshot: FleetSnapshot, now: float, params: AffinityParams
 ) -> _Judge:
@@ -375,6 +403,7 @@ def place_bounded(
     now: float,
     params: AffinityParams,
     within: int | None = None,
+    share: Callable[[str], RecentShare | None] | None = None,
 ) -> Decision:
     """Bounded-load placement of new sessions with load-aware affinity off: an override is
     followed (refreshed as in rule 2, never migrated); a new session whose hash primary is over
@@ -387,7 +416,12 @@ def place_bounded(
     building the snapshot cost more than the rest of the decision, and most requests are later
     turns. ``candidates``: the same clusters, for the override's membership. ``within``: spill
     among (and take the mean over) the first ``within`` candidates only (a LoRA adapter's
-    clusters that have it loaded, extproc.core.models.Candidates)."""
+    clusters that have it loaded, extproc.core.models.Candidates). ``share``: a cheaper view
+    of the same bound for one cluster (its recent count, and the total and count the mean is
+    taken over), or None where it does not know them (an unhealthy candidate); a new session
+    whose hash primary is clearly within its share by it keeps its hash placement without the
+    ranking and the snapshot. Only a verdict that float rounding cannot flip is taken from it
+    (:func:`clearly_within_share`), so the decision is the same as without it."""
     override = session.override
     if override is not None and override.expires_at > now and override.cluster in candidates:
         chosen = override.cluster
@@ -396,6 +430,10 @@ def place_bounded(
         return Decision(Placement(chosen, secondary), "override", _refreshed(override, now, params))
     if session.seen or params.balance_factor <= 0:
         return Decision(hashed, "primary")
+    if share is not None:
+        known = share(hashed.primary)
+        if known is not None and clearly_within_share(known, params.balance_factor):
+            return Decision(hashed, "primary")
     order = ranked()
     among = order[:within] if within else order
     judge = _judge(among, loads(), now, params)

@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from extproc.core.affinity import AffinityParams, Decision, Override, SessionView
+from extproc.core.affinity import AffinityParams, Decision, Override, RecentShare, SessionView
 from extproc.core.facts import RequestFacts
 from extproc.core.hotkeys import HotKeys
 from extproc.core.keys import KeySource, SessionKey
@@ -59,6 +59,31 @@ __all__ = [
 ]
 
 
+# Updates an incremental total of recent placements takes before it is summed again exactly:
+# its rounding stays far inside extproc.core.affinity.SHARE_SLACK.
+RESYNC_UPDATES = 4096
+# Candidate lists with a kept total (a placer's, or a LoRA adapter's loaded tier); past this
+# the oldest is dropped (a reload builds new lists).
+MAX_TOTALS = 64
+
+
+class _Total:
+    """The decayed count of recent placements summed over one candidate list, kept up to date
+    as requests are placed: with one half-life for every count, the sum of decayed counts is
+    itself one decayed counter, so the mean the share bound needs is O(1), not O(clusters)."""
+
+    __slots__ = ("at", "half_life_s", "members", "names", "ready", "updates", "value")
+
+    def __init__(self, names: tuple[str, ...], half_life_s: float) -> None:
+        self.names = names  # held: the dict is keyed by its id
+        self.members = frozenset(names)
+        self.half_life_s = half_life_s
+        self.value: float | None = None  # None: to be summed exactly at the next read
+        self.at = 0.0
+        self.updates = 0
+        self.ready: Collection[str] | None = None  # the ready set every member was found in
+
+
 class LoadTable:
     def __init__(self) -> None:
         self._inflight: dict[str, int] = {}
@@ -66,10 +91,66 @@ class LoadTable:
         self._failing_until: dict[str, float] = {}
         # cluster -> (decayed count of placed requests, instant it was last brought up to date)
         self._recent: dict[str, tuple[float, float]] = {}
+        # id(candidate names) -> their kept total (see share); the latest instant placed saw.
+        self._totals: dict[int, _Total] = {}
+        self._latest = float("-inf")
 
     def placed(self, cluster: str, now: float, half_life_s: float) -> None:
         """Count one request placed on ``cluster`` (bounded-load placement's input)."""
         self._recent[cluster] = (self.recent(cluster, now, half_life_s) + 1.0, now)
+        self._latest = max(self._latest, now)
+        for total in self._totals.values():
+            if cluster not in total.members and total.half_life_s == half_life_s:
+                continue
+            value = total.value
+            if (
+                value is None
+                or total.half_life_s != half_life_s
+                or now < total.at
+                or total.updates >= RESYNC_UPDATES
+            ):
+                # Summed exactly at the next read: the decay identity needs one half-life and
+                # instants in order.
+                total.value = None
+                continue
+            total.value = value * 2.0 ** (-(now - total.at) / half_life_s) + 1.0
+            total.at = now
+            total.updates += 1
+
+    def share(
+        self,
+        names: tuple[str, ...],
+        cluster: str,
+        now: float,
+        ready: Collection[str] | None,
+        half_life_s: float,
+    ) -> RecentShare | None:
+        """``cluster``'s recent count against the total over ``names`` (a candidate list
+        passed as the same tuple object each time), as extproc.core.affinity's share bound
+        reads them, or None when a member is unhealthy (the exact path then takes the mean
+        over the healthy ones) or placements arrived out of order."""
+        if now < self._latest:
+            return None
+        total = self._totals.get(id(names))
+        if total is None or total.names is not names or total.half_life_s != half_life_s:
+            if len(self._totals) >= MAX_TOTALS:
+                del self._totals[next(iter(self._totals))]
+            total = _Total(names, half_life_s)
+            self._totals[id(names)] = total
+        failing = self._failing_until
+        if failing and any(now < until and c in total.members for c, until in failing.items()):
+            return None
+        if ready is not None and total.ready is not ready:
+            if not total.members.issubset(ready):
+                return None
+            total.ready = ready
+        value = total.value
+        if value is None:
+            value = sum(self.recent(n, now, half_life_s) for n in names)
+            total.value, total.at, total.updates = value, now, 0
+        else:
+            value *= 2.0 ** (-(now - total.at) / half_life_s)
+        return RecentShare(self.recent(cluster, now, half_life_s), value, len(names))
 
     def recent(self, cluster: str, now: float, half_life_s: float) -> float:
         found = self._recent.get(cluster)

@@ -29,7 +29,15 @@ from prometheus_client import Counter
 
 from extproc.config.runtime import Runtime
 from extproc.core.admission import Admitted, Demand, Reject, plan, request_tokens
-from extproc.core.affinity import Decision, Kind, Override, SessionView, place, place_bounded
+from extproc.core.affinity import (
+    Decision,
+    Kind,
+    Override,
+    RecentShare,
+    SessionView,
+    place,
+    place_bounded,
+)
 from extproc.core.api import Api, BadRequest, ErrorStyle, api_for_path, canonical_path
 from extproc.core.decide import Route, base_class_name
 from extproc.core.endpoints import adapter_engines, engine_key, pick_endpoints
@@ -124,6 +132,12 @@ def _loaded_tier(placer: object) -> int | None:
     return None
 
 
+def _tier_names(placer: object) -> tuple[str, ...]:
+    """A LoRA adapter's loaded clusters (the first ``_loaded_tier`` of its ranking)."""
+    assert isinstance(placer, Candidates) and placer.preferred is not None
+    return placer.preferred.names
+
+
 @dataclass(frozen=True, slots=True)
 class _Placed:
     """Admitted on a later hash candidate (flow.place_new_sessions)."""
@@ -142,8 +156,13 @@ class Pipeline:
         endpoint_health: EndpointHealth | None = None,
         fleet: FleetState | None = None,
         rooms: Callable[[], int] = lambda: secrets.randbits(63),
+        share_totals: bool = True,
     ) -> None:
         self._runtime = runtime
+        # False: a new session's bound is judged from the full ranking and snapshot only (the
+        # benchmark's baseline; same decisions, see _follow_override).
+        self._share_totals = share_totals
+        self._ready_cache: tuple[object, object, frozenset[str]] | None = None
         # SGLang's P/D protocol: bootstrap rooms, random as its router draws them (two
         # processor replicas must not pair different requests in one room).
         self._rooms = rooms
@@ -680,7 +699,16 @@ class Pipeline:
         if self._endpoint_health is None:
             return None
         ready = self._endpoint_health.ready
-        return frozenset(c for c, eps in runtime.endpoints.items() if any(e in ready for e in eps))
+        cached = self._ready_cache
+        if cached is not None and cached[0] is ready and cached[1] is runtime.endpoints:
+            return cached[2]
+        clusters = frozenset(
+            c for c, eps in runtime.endpoints.items() if any(e in ready for e in eps)
+        )
+        if self._share_totals:
+            # Both are replaced, never changed in place (a probe round, a reload).
+            self._ready_cache = (ready, runtime.endpoints, clusters)
+        return clusters
 
     def _around_unready(
         self, runtime: Runtime, facts: RequestFacts, route: Route, record: bool
@@ -798,7 +826,20 @@ class Pipeline:
         # A LoRA adapter's new session is bounded among the clusters that have it loaded: a
         # spill onto one that must load it first would cost more than the evenness gains.
         within = _loaded_tier(placer)
-        decision = place_bounded(hashed, placer.names, order, loads, view, now, params, within)
+        share = None
+        if balance is not None and self._share_totals:
+            half_life = balance
+            # The candidates the mean is taken over, as one stable tuple (the load table keeps
+            # their total by it): the adapter's loaded tier, or every candidate.
+            members = _tier_names(placer) if within else placer.names
+            ready = self._ready_clusters(runtime)
+
+            def share(cluster: str) -> RecentShare | None:
+                return fleet.load.share(members, cluster, now, ready, half_life)
+
+        decision = place_bounded(
+            hashed, placer.names, order, loads, view, now, params, within, share
+        )
         if decision.kind != "primary":
             # Otherwise the hash placement stands (moved off an unready primary already).
             route = Route(decision.placement, route.request_class, route.model)
