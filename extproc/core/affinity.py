@@ -73,12 +73,12 @@ exactly pure hashing's secondary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from extproc.core.keys import KeySource
-from extproc.core.load import FleetSnapshot
+from extproc.core.load import ClusterLoad, FleetSnapshot
 from extproc.core.placement import Placement
 
 # "placed": a new session moved off its full primary by admission (extproc/core/flow.py).
@@ -234,13 +234,82 @@ class RecentShare:
 SHARE_SLACK = 1e-9
 
 
-def clearly_within_share(share: RecentShare, factor: float) -> bool:
-    """Whether ``share.recent`` is within :meth:`_Judge.over_share`'s limit by more than the
-    rounding of ``share.total`` can move it: then the exact judge says "not over" too."""
+def share_verdict(share: RecentShare, factor: float) -> bool | None:
+    """:meth:`_Judge.over_share`'s verdict (True: over its share) where the rounding of
+    ``share.total`` cannot move it across the limit, None where it might."""
     if factor <= 0:
-        return True
+        return False
     limit = factor * (share.total + 1.0) / share.candidates
-    return share.recent + 1.0 < limit * (1.0 - SHARE_SLACK)
+    if share.recent + 1.0 < limit * (1.0 - SHARE_SLACK):
+        return False
+    if share.recent + 1.0 > limit * (1.0 + SHARE_SLACK):
+        return True
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Shortcut:
+    """Cheaper views of place_bounded's inputs, for a new session's judgement.
+
+    ``share(name)``: the cluster's :class:`RecentShare`, or None when it is not known (an
+    unhealthy candidate: the mean is then over the healthy ones only); ``head(k)``: exactly
+    the first ``k`` of ``ranked()``; ``cluster(name)``: the cluster as ``loads()`` has it."""
+
+    share: Callable[[str], RecentShare | None]
+    head: Callable[[int], Sequence[str]]
+    cluster: Callable[[str], ClusterLoad]
+    size: int  # how many candidates ``ranked()`` lists
+
+
+def _in_order(head: Callable[[int], Sequence[str]], size: int) -> Iterator[str]:
+    """The first ``size`` of the ranking, asking ``head`` for a few more each time."""
+    k, done = 4, 0
+    while done < size:
+        names = head(min(k, size))
+        if len(names) <= done:
+            return
+        yield from names[done:]
+        done, k = len(names), k * 8
+
+
+def _bounded_by_shortcut(
+    hashed: Placement, shortcut: Shortcut, now: float, params: AffinityParams, within: int | None
+) -> Decision | None:
+    """place_bounded's judgement of a new session from ``shortcut``, or None where it cannot
+    settle it (an unhealthy candidate, a verdict too close to the limit)."""
+    factor = params.balance_factor
+    known = shortcut.share(hashed.primary)
+    if known is None:
+        return None
+    over = share_verdict(known, factor)
+    if over is not True:
+        return None if over is None else Decision(hashed, "primary")
+    target = None
+    for name in _in_order(shortcut.head, within or shortcut.size):
+        known = shortcut.share(name)
+        over = None if known is None else share_verdict(known, factor)
+        if over is None:
+            return None
+        if not over:
+            target = name
+            break
+    if target is None or target == hashed.primary:
+        return Decision(hashed, "primary")
+    # _placement's rule: the first usable other candidate in hash order, else the first other.
+    secondary = first_other = None
+    for name in _in_order(shortcut.head, shortcut.size):
+        if name == target:
+            continue
+        first_other = first_other or name
+        snapshot = FleetSnapshot({name: shortcut.cluster(name)})
+        if _Judge(snapshot, now, params, 0.0).usable(name):
+            secondary = name
+            break
+    return Decision(
+        Placement(target, secondary or first_other),
+        "spilled",
+        Override(target, now + params.override_ttl_s),
+    )
 
 
 def _judge(
@@ -403,7 +472,7 @@ def place_bounded(
     now: float,
     params: AffinityParams,
     within: int | None = None,
-    share: Callable[[str], RecentShare | None] | None = None,
+    shortcut: Shortcut | None = None,
 ) -> Decision:
     """Bounded-load placement of new sessions with load-aware affinity off: an override is
     followed (refreshed as in rule 2, never migrated); a new session whose hash primary is over
@@ -416,12 +485,11 @@ def place_bounded(
     building the snapshot cost more than the rest of the decision, and most requests are later
     turns. ``candidates``: the same clusters, for the override's membership. ``within``: spill
     among (and take the mean over) the first ``within`` candidates only (a LoRA adapter's
-    clusters that have it loaded, extproc.core.models.Candidates). ``share``: a cheaper view
-    of the same bound for one cluster (its recent count, and the total and count the mean is
-    taken over), or None where it does not know them (an unhealthy candidate); a new session
-    whose hash primary is clearly within its share by it keeps its hash placement without the
-    ranking and the snapshot. Only a verdict that float rounding cannot flip is taken from it
-    (:func:`clearly_within_share`), so the decision is the same as without it."""
+    clusters that have it loaded, extproc.core.models.Candidates). ``shortcut``: cheaper views
+    of the same inputs (:class:`Shortcut`): a new session is judged from them without ranking
+    every candidate or building the snapshot where they settle it, and by ``ranked`` and
+    ``loads`` otherwise. Only verdicts that float rounding cannot flip are taken from them
+    (:func:`share_verdict`), so the decision is the same as without them."""
     override = session.override
     if override is not None and override.expires_at > now and override.cluster in candidates:
         chosen = override.cluster
@@ -430,10 +498,10 @@ def place_bounded(
         return Decision(Placement(chosen, secondary), "override", _refreshed(override, now, params))
     if session.seen or params.balance_factor <= 0:
         return Decision(hashed, "primary")
-    if share is not None:
-        known = share(hashed.primary)
-        if known is not None and clearly_within_share(known, params.balance_factor):
-            return Decision(hashed, "primary")
+    if shortcut is not None:
+        quick = _bounded_by_shortcut(hashed, shortcut, now, params, within)
+        if quick is not None:
+            return quick
     order = ranked()
     among = order[:within] if within else order
     judge = _judge(among, loads(), now, params)

@@ -30,6 +30,8 @@ class Placer(Protocol):
 
     def ranked(self, point: int) -> list[str]: ...
 
+    def ranked_head(self, point: int, k: int) -> list[str]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class Route:

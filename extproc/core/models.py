@@ -226,6 +226,13 @@ class Candidates:
         first = self.preferred.ranked(point) if self.preferred is not None else []
         return first + (self.rest.ranked(point) if self.rest is not None else [])
 
+    def ranked_head(self, point: int, k: int) -> list[str]:
+        """``ranked(point)[:k]`` (Rendezvous.ranked_head on each tier)."""
+        first = self.preferred.ranked_head(point, k) if self.preferred is not None else []
+        if len(first) >= k or self.rest is None:
+            return first
+        return first + self.rest.ranked_head(point, k - len(first))
+
 
 def candidates(
     model: Model, eligible: Sequence[str], weights: Mapping[str, float]

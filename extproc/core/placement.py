@@ -290,6 +290,9 @@ class _Vector:
         return lanes if len(lanes) >= 2 else None
 
 
+# Below this many clusters sorting every score costs less than the partition (measured).
+HEAD_MIN_CLUSTERS = 48
+
 # mix64's last step keeps the top 64 - _LOW bits of its input.
 _LOW = 33
 
@@ -437,3 +440,26 @@ class Rendezvous:
         """All clusters in this session's preference order (for spill and hot-key spreading)."""
         scored = sorted(zip(self.scores(point), self.names, strict=True), reverse=True)
         return [name for _, name in scored]
+
+    def ranked_head(self, point: int, k: int) -> list[str]:
+        """``ranked(point)[:k]``, exactly, without scoring and sorting every cluster where the
+        numpy path can prove which k lanes come first (equal weights; else the full ranking).
+
+        The k lanes with the largest y (see _Vector) are scored and sorted as ``ranked`` does;
+        every other lane's z is below (its best top bits + 1) << _LOW, so when the k-th score is
+        above that bound no other lane can rank among them, whatever the names' tie rule."""
+        n = len(self.names)
+        vector = self._vector
+        if vector is None or vector.cuts is not None or k >= n or n < HEAD_MIN_CLUSTERS:
+            return self.ranked(point)[:k]
+        y = vector.premixed(point)
+        part = vector.np.argpartition(y, n - k - 1)
+        rest_best = y.item(int(part[n - k - 1])) >> _LOW  # the largest y outside the top k
+        seeds, names = self.seeds, self.names
+        scored = sorted(
+            ((float(mix64(point ^ seeds[i])), names[i]) for i in part[n - k :].tolist()),
+            reverse=True,
+        )
+        if scored[-1][0] > float((rest_best + 1) << _LOW):
+            return [name for _, name in scored]
+        return self.ranked(point)[:k]  # pragma: no cover - a near tie (p ~ k x 2**-31)

@@ -35,17 +35,18 @@ from extproc.core.affinity import (
     Override,
     RecentShare,
     SessionView,
+    Shortcut,
     place,
     place_bounded,
 )
 from extproc.core.api import Api, BadRequest, ErrorStyle, api_for_path, canonical_path
-from extproc.core.decide import Route, base_class_name
+from extproc.core.decide import Placer, Route, base_class_name
 from extproc.core.endpoints import adapter_engines, engine_key, pick_endpoints
 from extproc.core.facts import RequestFacts, header_facts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
 from extproc.core.flow import placement_candidates, secondary_for
 from extproc.core.keys import KeySource
-from extproc.core.load import ORCA_HEADER, FleetSnapshot, parse_load_headers
+from extproc.core.load import ORCA_HEADER, ClusterLoad, FleetSnapshot, parse_load_headers
 from extproc.core.models import (
     MODELS_PATH,
     Candidates,
@@ -826,19 +827,11 @@ class Pipeline:
         # A LoRA adapter's new session is bounded among the clusters that have it loaded: a
         # spill onto one that must load it first would cost more than the evenness gains.
         within = _loaded_tier(placer)
-        share = None
-        if balance is not None and self._share_totals:
-            half_life = balance
-            # The candidates the mean is taken over, as one stable tuple (the load table keeps
-            # their total by it): the adapter's loaded tier, or every candidate.
-            members = _tier_names(placer) if within else placer.names
-            ready = self._ready_clusters(runtime)
-
-            def share(cluster: str) -> RecentShare | None:
-                return fleet.load.share(members, cluster, now, ready, half_life)
-
+        shortcut = None
+        if balance is not None and self._share_totals and not view.seen:
+            shortcut = self._shortcut(runtime, placer, point, now, balance, within)
         decision = place_bounded(
-            hashed, placer.names, order, loads, view, now, params, within, share
+            hashed, placer.names, order, loads, view, now, params, within, shortcut
         )
         if decision.kind != "primary":
             # Otherwise the hash placement stands (moved off an unready primary already).
@@ -848,6 +841,37 @@ class Pipeline:
                 fleet.load.placed(route.placement.primary, now, balance)
             await fleet.remember(facts, decision, now)
         return route, decision.kind, view
+
+    def _shortcut(
+        self,
+        runtime: Runtime,
+        placer: Placer,
+        point: int,
+        now: float,
+        half_life_s: float,
+        within: int | None,
+    ) -> Shortcut:
+        """place_bounded's cheaper inputs: the load table's kept totals, the ranking's head."""
+        load = self.fleet.load
+        # The candidates the mean is taken over, as one stable tuple (the load table keeps
+        # their total by it): the adapter's loaded tier, or every candidate.
+        members = _tier_names(placer) if within else placer.names
+        ready = self._ready_clusters(runtime)
+        heads: dict[int, list[str]] = {}
+
+        def share(cluster: str) -> RecentShare | None:
+            return load.share(members, cluster, now, ready, half_life_s)
+
+        def head(k: int) -> list[str]:
+            found = heads.get(k)
+            if found is None:
+                found = heads[k] = placer.ranked_head(point, k)
+            return found
+
+        def cluster(name: str) -> ClusterLoad:
+            return load.cluster(name, now, ready, half_life_s)
+
+        return Shortcut(share, head, cluster, len(placer.names))
 
     async def _place(
         self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool

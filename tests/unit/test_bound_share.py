@@ -15,9 +15,11 @@ from extproc.core.affinity import (
     Override,
     RecentShare,
     SessionView,
-    clearly_within_share,
+    Shortcut,
     place_bounded,
+    share_verdict,
 )
+from extproc.core.load import ClusterLoad, LoadReport
 from extproc.core.models import Candidates
 from extproc.core.placement import Rendezvous
 from extproc.pipeline.fleet_state import RESYNC_UPDATES, LoadTable
@@ -48,6 +50,13 @@ def _decide(
     def share(cluster: str) -> RecentShare | None:
         return load.share(members, cluster, now, ready, HALF_LIFE)
 
+    def head(k: int) -> list[str]:
+        return placer.ranked_head(point, k)
+
+    def cluster(name: str) -> ClusterLoad:
+        return load.cluster(name, now, ready, HALF_LIFE)
+
+    shortcut = Shortcut(share, head, cluster, len(placer.names))
     return place_bounded(
         placer.top2(point),
         placer.names,
@@ -57,7 +66,7 @@ def _decide(
         now,
         params,
         within,
-        share if with_share else None,
+        shortcut if with_share else None,
     )
 
 
@@ -85,6 +94,10 @@ def fleets(draw: st.DrawFn) -> tuple[LoadTable, Candidates, frozenset[str] | Non
     for _ in range(draw(st.integers(0, 2))):
         failing = names[draw(st.integers(0, n - 1))]
         load.mark_failing(failing, now + draw(st.sampled_from([-1.0, 0.0, 5.0])))
+    # KV pressure reports: a pressured cluster is no spill's secondary.
+    for _ in range(draw(st.integers(0, 3))):
+        pressured = names[draw(st.integers(0, n - 1))]
+        load.record(pressured, LoadReport(0.95, None, None, None, "fleet"), now)
     ready = None
     if draw(st.booleans()):
         dropped = set(draw(st.lists(st.sampled_from(names), max_size=3)))
@@ -159,7 +172,32 @@ def test_an_unhealthy_member_or_out_of_order_instants_leave_it_to_the_exact_path
 
 
 def test_a_verdict_within_rounding_of_the_limit_is_not_taken() -> None:
-    # Limit 1.0 x (3 + 1) / 4 = 1.0: recent 0 is within, recent 0 + 1 = 1.0 sits on it.
-    assert clearly_within_share(RecentShare(0.0, 3.0, 4), 1.0) is False
-    assert clearly_within_share(RecentShare(0.0, 3.1, 4), 1.0) is True
-    assert clearly_within_share(RecentShare(0.0, 3.0 + 1e-12, 4), 1.0) is False
+    # Limit 1.0 x (3 + 1) / 4 = 1.0: recent 0 + 1 sits on it (the exact judge: not over).
+    assert share_verdict(RecentShare(0.0, 3.0, 4), 1.0) is None
+    assert share_verdict(RecentShare(0.0, 3.0 + 1e-12, 4), 1.0) is None
+    assert share_verdict(RecentShare(0.0, 3.1, 4), 1.0) is False
+    assert share_verdict(RecentShare(0.0, 2.9, 4), 1.0) is True
+
+
+@settings(derandomize=True, database=None, max_examples=200, deadline=None)
+@given(
+    st.sampled_from([1, 2, 5, 47, 48, 64, 300, 512]),
+    st.integers(0, 2**64 - 1),
+    st.integers(1, 600),
+    st.booleans(),
+    st.integers(0, 8),
+)
+def test_the_head_of_the_ranking_is_the_rankings_own(
+    n: int, point: int, k: int, weighted: bool, loaded: int
+) -> None:
+    names = tuple(f"c{i:03d}" for i in range(n))
+    weights = [float(1 + i % 4) if weighted else 1.0 for i in range(n)]
+    placer = Rendezvous(names, tuple(weights))
+    assert placer.ranked_head(point, k) == placer.ranked(point)[:k]
+    tier = names[: min(loaded, n)]
+    rest = names[len(tier) :]
+    both = Candidates(
+        Rendezvous.of([(c, 1.0) for c in tier]) if tier else None,
+        Rendezvous.of([(c, 1.0) for c in rest]) if rest else None,
+    )
+    assert both.ranked_head(point, k) == both.ranked(point)[:k]
