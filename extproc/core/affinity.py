@@ -259,6 +259,8 @@ class Shortcut:
     head: Callable[[int], Sequence[str]]
     cluster: Callable[[str], ClusterLoad]
     size: int  # how many candidates ``ranked()`` lists
+    # The cluster's recent count alone (``share(name).recent``, at the same instant).
+    recent: Callable[[str], float]
 
 
 def _in_order(head: Callable[[int], Sequence[str]], size: int) -> Iterator[str]:
@@ -284,15 +286,22 @@ def _bounded_by_shortcut(
     over = share_verdict(known, factor)
     if over is not True:
         return None if over is None else Decision(hashed, "primary")
+    # Every candidate is healthy (``share`` knew the primary's): the limit is the same for all.
+    limit = factor * (known.total + 1.0) / known.candidates
+    low, high = limit * (1.0 - SHARE_SLACK), limit * (1.0 + SHARE_SLACK)
+    if high < 1.0:
+        # Warm-up (fewer recent placements than candidates): no count is below 0, so every
+        # candidate is over its share and the hash placement stands.
+        return Decision(hashed, "primary")
     target = None
+    recent = shortcut.recent
     for name in _in_order(shortcut.head, within or shortcut.size):
-        known = shortcut.share(name)
-        over = None if known is None else share_verdict(known, factor)
-        if over is None:
-            return None
-        if not over:
+        count = recent(name) + 1.0
+        if count < low:
             target = name
             break
+        if count <= high:
+            return None  # too close to the limit to tell
     if target is None or target == hashed.primary:
         return Decision(hashed, "primary")
     # _placement's rule: the first usable other candidate in hash order, else the first other.

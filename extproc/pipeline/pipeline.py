@@ -871,7 +871,10 @@ class Pipeline:
         def cluster(name: str) -> ClusterLoad:
             return load.cluster(name, now, ready, half_life_s)
 
-        return Shortcut(share, head, cluster, len(placer.names))
+        def recent(name: str) -> float:
+            return load.recent(name, now, half_life_s)
+
+        return Shortcut(share, head, cluster, len(placer.names), recent)
 
     async def _place(
         self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool

@@ -56,7 +56,10 @@ def _decide(
     def cluster(name: str) -> ClusterLoad:
         return load.cluster(name, now, ready, HALF_LIFE)
 
-    shortcut = Shortcut(share, head, cluster, len(placer.names))
+    def recent(name: str) -> float:
+        return load.recent(name, now, HALF_LIFE)
+
+    shortcut = Shortcut(share, head, cluster, len(placer.names), recent)
     return place_bounded(
         placer.top2(point),
         placer.names,
@@ -113,6 +116,7 @@ def fleets(draw: st.DrawFn) -> tuple[LoadTable, Candidates, frozenset[str] | Non
     st.booleans(),
     st.sampled_from([None, "hash", "other", "expired"]),
     st.sampled_from([None, None, 0.0, 2e-16, -2e-16, 1e-12, -1e-12, 1e-9, -1e-9, 1e-3, -1e-3]),
+    st.booleans(),
 )
 def test_the_kept_totals_decide_as_the_full_snapshot(
     fleet: tuple[LoadTable, Candidates, frozenset[str] | None, float],
@@ -121,8 +125,13 @@ def test_the_kept_totals_decide_as_the_full_snapshot(
     seen: bool,
     override: str | None,
     near: float | None,
+    press_primary: bool,
 ) -> None:
     load, placer, ready, now = fleet
+    if press_primary:
+        # A spill's secondary is then not the hash primary (the first candidate in hash order).
+        pressed = LoadReport(0.95, None, None, None, "fleet")
+        load.record(placer.top2(point).primary, pressed, now)
     if near is not None:
         # The factor that puts the hash primary's next request on the limit (times 1 + near):
         # the verdicts rounding could flip.
