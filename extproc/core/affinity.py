@@ -261,6 +261,10 @@ class Shortcut:
     size: int  # how many candidates ``ranked()`` lists
     # The cluster's recent count alone (``share(name).recent``, at the same instant).
     recent: Callable[[str], float]
+    # For limits (low, high) around the mean's: the first candidate in hash order (of those
+    # the mean is over) whose count + 1 is at most ``high``, and whether it is below ``low``;
+    # (None, True) when there is none. None: not kept (the head is searched one by one).
+    first_within: Callable[[float, float], tuple[str | None, bool]] | None = None
 
 
 def _in_order(head: Callable[[int], Sequence[str]], size: int) -> Iterator[str]:
@@ -294,14 +298,19 @@ def _bounded_by_shortcut(
         # candidate is over its share and the hash placement stands.
         return Decision(hashed, "primary")
     target = None
-    recent = shortcut.recent
-    for name in _in_order(shortcut.head, within or shortcut.size):
-        count = recent(name) + 1.0
-        if count < low:
-            target = name
-            break
-        if count <= high:
+    if shortcut.first_within is not None:
+        target, sure = shortcut.first_within(low, high)
+        if not sure:
             return None  # too close to the limit to tell
+    else:
+        recent = shortcut.recent
+        for name in _in_order(shortcut.head, within or shortcut.size):
+            count = recent(name) + 1.0
+            if count < low:
+                target = name
+                break
+            if count <= high:
+                return None  # too close to the limit to tell
     if target is None or target == hashed.primary:
         return Decision(hashed, "primary")
     # _placement's rule: the first usable other candidate in hash order, else the first other.

@@ -290,6 +290,29 @@ class _Vector:
         return lanes if len(lanes) >= 2 else None
 
 
+class RecentCounts:
+    """Decayed counts of recent placements for one candidate list, as numpy arrays: the value
+    each lane was last brought to and when (extproc.pipeline.fleet_state keeps them beside its
+    own dict, the same floats), so the lanes within a limit are found in one pass."""
+
+    def __init__(self, n: int) -> None:
+        import numpy as np
+
+        self.np = np
+        self.value = np.zeros(n)
+        self.at = np.zeros(n)
+
+    def set(self, lane: int, value: float, at: float) -> None:
+        self.value[lane] = value
+        self.at[lane] = at
+
+    def lanes(self, now: float, half_life_s: float, low: float, high: float) -> tuple[Any, Any]:
+        """(count + 1 < low, count + 1 <= high) per lane at ``now`` (no lane placed after it)."""
+        np = self.np
+        plus = self.value * np.exp2((self.at - now) / half_life_s) + 1.0
+        return plus < low, plus <= high
+
+
 # Below this many clusters sorting every score costs less than the partition (measured).
 HEAD_MIN_CLUSTERS = 48
 
@@ -440,6 +463,39 @@ class Rendezvous:
         """All clusters in this session's preference order (for spill and hot-key spreading)."""
         scored = sorted(zip(self.scores(point), self.names, strict=True), reverse=True)
         return [name for _, name in scored]
+
+    def first_of(self, point: int, lanes: Any) -> str | None:
+        """The first cluster of ``ranked(point)`` whose lane is set in ``lanes`` (a numpy bool
+        array over ``names``, from :class:`RecentCounts`), or None when none is.
+
+        The set lane with the largest y comes first when its score is above every other set
+        lane's bound (as in ``ranked_head``); otherwise the set lanes are scored exactly."""
+        import numpy as np
+
+        vector = self._vector
+        idx = np.flatnonzero(lanes)
+        if idx.size == 0:
+            return None
+        names, seeds = self.names, self.seeds
+        if idx.size == 1:
+            return names[int(idx[0])]
+        if vector is not None and vector.cuts is None:
+            y = vector.premixed(point)[idx]
+            j = int(y.argmax())
+            yb: int = y.item(j)
+            y[j] = 0
+            rest_best = y.item(int(y.argmax())) >> _LOW
+            if float(yb ^ (yb >> 31)) > float((rest_best + 1) << _LOW):
+                return names[int(idx[j])]
+        if self.equal:
+            best = max((float(mix64(point ^ seeds[i])), names[i]) for i in idx.tolist())
+        else:
+            best = max(
+                (weighted_score(mix64(point ^ seeds[i]), self.weights[i]), names[i])
+                for i in idx.tolist()
+            )
+        first: str = best[1]
+        return first
 
     def ranked_head(self, point: int, k: int) -> list[str]:
         """``ranked(point)[:k]``, exactly, without scoring and sorting every cluster where the

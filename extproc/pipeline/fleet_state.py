@@ -42,6 +42,7 @@ from extproc.core.facts import RequestFacts
 from extproc.core.hotkeys import HotKeys
 from extproc.core.keys import KeySource, SessionKey
 from extproc.core.load import ClusterLoad, FleetSnapshot, LoadReport
+from extproc.core.placement import RecentCounts, Rendezvous
 from extproc.core.response_links import Link, link_name, make_link, read_link
 from extproc.metrics import Metrics
 from extproc.redis_client import UNAVAILABLE, AnyRedis, any_client
@@ -72,11 +73,14 @@ class _Total:
     as requests are placed: with one half-life for every count, the sum of decayed counts is
     itself one decayed counter, so the mean the share bound needs is O(1), not O(clusters)."""
 
-    __slots__ = ("at", "half_life_s", "members", "names", "ready", "updates", "value")
+    __slots__ = ("at", "counts", "half_life_s", "lanes", "names", "ready", "updates", "value")
 
     def __init__(self, names: tuple[str, ...], half_life_s: float) -> None:
         self.names = names  # held: the dict is keyed by its id
-        self.members = frozenset(names)
+        self.lanes = {n: i for i, n in enumerate(names)}
+        # The members' own counts as arrays (built at the first spill search), kept equal to
+        # LoadTable._recent.
+        self.counts: RecentCounts | None = None
         self.half_life_s = half_life_s
         self.value: float | None = None  # None: to be summed exactly at the next read
         self.at = 0.0
@@ -97,10 +101,14 @@ class LoadTable:
 
     def placed(self, cluster: str, now: float, half_life_s: float) -> None:
         """Count one request placed on ``cluster`` (bounded-load placement's input)."""
-        self._recent[cluster] = (self.recent(cluster, now, half_life_s) + 1.0, now)
+        count = self.recent(cluster, now, half_life_s) + 1.0
+        self._recent[cluster] = (count, now)
         self._latest = max(self._latest, now)
         for total in self._totals.values():
-            if cluster not in total.members and total.half_life_s == half_life_s:
+            lane = total.lanes.get(cluster)
+            if lane is not None and total.counts is not None:
+                total.counts.set(lane, count, now)
+            if lane is None and total.half_life_s == half_life_s:
                 continue
             value = total.value
             if (
@@ -138,10 +146,10 @@ class LoadTable:
             total = _Total(names, half_life_s)
             self._totals[id(names)] = total
         failing = self._failing_until
-        if failing and any(now < until and c in total.members for c, until in failing.items()):
+        if failing and any(now < until and c in total.lanes for c, until in failing.items()):
             return None
         if ready is not None and total.ready is not ready:
-            if not total.members.issubset(ready):
+            if not frozenset(total.lanes).issubset(ready):
                 return None
             total.ready = ready
         value = total.value
@@ -151,6 +159,32 @@ class LoadTable:
         else:
             value *= 2.0 ** (-(now - total.at) / half_life_s)
         return RecentShare(self.recent(cluster, now, half_life_s), value, len(names))
+
+    def first_within(
+        self,
+        placer: Rendezvous,
+        point: int,
+        now: float,
+        half_life_s: float,
+        low: float,
+        high: float,
+    ) -> tuple[str | None, bool]:
+        """extproc.core.affinity.Shortcut.first_within over ``placer.names`` (after ``share``
+        on the same names at ``now`` answered: every member healthy, ``now`` not before the
+        latest placement)."""
+        total = self._totals[id(placer.names)]
+        counts = total.counts
+        if counts is None:
+            counts = total.counts = RecentCounts(len(placer.names))
+            for name, lane in total.lanes.items():
+                found = self._recent.get(name)
+                if found is not None:
+                    counts.set(lane, *found)
+        within, maybe = counts.lanes(now, half_life_s, low, high)
+        first = placer.first_of(point, maybe)
+        if first is None:
+            return None, True
+        return first, bool(within[total.lanes[first]])
 
     def recent(self, cluster: str, now: float, half_life_s: float) -> float:
         found = self._recent.get(cluster)

@@ -57,7 +57,7 @@ from extproc.core.models import (
     model_object,
 )
 from extproc.core.pd import PrefillChoice, bootstrap_batch, bootstrap_fields
-from extproc.core.placement import Placement, mix64
+from extproc.core.placement import HEAD_MIN_CLUSTERS, Placement, Rendezvous, mix64
 from extproc.core.usage import SseUsageScanner, Usage, response_id_from_body, usage_from_body
 from extproc.ledger.gate import AdmissionGate
 from extproc.ledger.waiters import Queued
@@ -133,10 +133,18 @@ def _loaded_tier(placer: object) -> int | None:
     return None
 
 
-def _tier_names(placer: object) -> tuple[str, ...]:
-    """A LoRA adapter's loaded clusters (the first ``_loaded_tier`` of its ranking)."""
-    assert isinstance(placer, Candidates) and placer.preferred is not None
-    return placer.preferred.names
+def _bound_tier(placer: object, within: int | None) -> Rendezvous | None:
+    """The rendezvous over the clusters a new session's bound is taken among, in the
+    placer's own hash order: a LoRA adapter's loaded tier (the first ``within`` of its
+    ranking), or every candidate; None when they are not one rendezvous."""
+    if isinstance(placer, Rendezvous):
+        return placer
+    if isinstance(placer, Candidates):
+        if within:
+            return placer.preferred
+        if placer.preferred is None:
+            return placer.rest
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -855,7 +863,8 @@ class Pipeline:
         load = self.fleet.load
         # The candidates the mean is taken over, as one stable tuple (the load table keeps
         # their total by it): the adapter's loaded tier, or every candidate.
-        members = _tier_names(placer) if within else placer.names
+        searcher = _bound_tier(placer, within)
+        members = searcher.names if searcher is not None else placer.names
         ready = self._ready_clusters(runtime)
         heads: dict[int, list[str]] = {}
 
@@ -874,7 +883,14 @@ class Pipeline:
         def recent(name: str) -> float:
             return load.recent(name, now, half_life_s)
 
-        return Shortcut(share, head, cluster, len(placer.names), recent)
+        first_within = None
+        if searcher is not None and len(searcher.names) >= HEAD_MIN_CLUSTERS:
+            tier = searcher
+
+            def first_within(low: float, high: float) -> tuple[str | None, bool]:
+                return load.first_within(tier, point, now, half_life_s, low, high)
+
+        return Shortcut(share, head, cluster, len(placer.names), recent, first_within)
 
     async def _place(
         self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool

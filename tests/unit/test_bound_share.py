@@ -6,6 +6,8 @@ sessions."""
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +23,7 @@ from extproc.core.affinity import (
 )
 from extproc.core.load import ClusterLoad, LoadReport
 from extproc.core.models import Candidates
-from extproc.core.placement import Rendezvous
+from extproc.core.placement import HEAD_MIN_CLUSTERS, Rendezvous
 from extproc.pipeline.fleet_state import RESYNC_UPDATES, LoadTable
 
 HALF_LIFE = 60.0
@@ -39,7 +41,9 @@ def _decide(
 ) -> Decision:
     """place_bounded fed as pipeline.Pipeline._follow_override feeds it."""
     within = len(placer.preferred.names) if placer.preferred is not None else None
-    members = placer.preferred.names if placer.preferred is not None else placer.names
+    tier = placer.preferred if placer.preferred is not None else placer.rest
+    assert tier is not None
+    members = tier.names
 
     def order() -> list[str]:
         return placer.ranked(point)
@@ -59,7 +63,12 @@ def _decide(
     def recent(name: str) -> float:
         return load.recent(name, now, HALF_LIFE)
 
-    shortcut = Shortcut(share, head, cluster, len(placer.names), recent)
+    def first_within(low: float, high: float) -> tuple[str | None, bool]:
+        assert tier is not None
+        return load.first_within(tier, point, now, HALF_LIFE, low, high)
+
+    kept = first_within if len(members) >= HEAD_MIN_CLUSTERS else None
+    shortcut = Shortcut(share, head, cluster, len(placer.names), recent, kept)
     return place_bounded(
         placer.top2(point),
         placer.names,
@@ -89,6 +98,13 @@ def fleets(draw: st.DrawFn) -> tuple[LoadTable, Candidates, frozenset[str] | Non
     # Decayed counts: placements at increasing instants, or all at one instant (whole counts:
     # a cluster's count can sit exactly on the limit).
     steps = [0.0] if draw(st.booleans()) else [0.0, 0.0, 0.5, 7.0, 90.0]
+    if draw(st.booleans()):
+        # Every cluster counted (the bound's steady state: most clusters near the limit, a
+        # spill searches far down the hash order).
+        rng = random.Random(draw(st.integers(0, 2**32)))
+        for cluster in names:
+            for _ in range(rng.randint(0, 6)):
+                load.placed(cluster, now, HALF_LIFE)
     for _ in range(draw(st.integers(0, 60))):
         now += draw(st.sampled_from(steps))
         cluster = names[draw(st.integers(0, n - 1))]
@@ -117,6 +133,7 @@ def fleets(draw: st.DrawFn) -> tuple[LoadTable, Candidates, frozenset[str] | Non
     st.sampled_from([None, "hash", "other", "expired"]),
     st.sampled_from([None, None, 0.0, 2e-16, -2e-16, 1e-12, -1e-12, 1e-9, -1e-9, 1e-3, -1e-3]),
     st.booleans(),
+    st.integers(0, 3),
 )
 def test_the_kept_totals_decide_as_the_full_snapshot(
     fleet: tuple[LoadTable, Candidates, frozenset[str] | None, float],
@@ -126,6 +143,7 @@ def test_the_kept_totals_decide_as_the_full_snapshot(
     override: str | None,
     near: float | None,
     press_primary: bool,
+    near_rank: int,
 ) -> None:
     load, placer, ready, now = fleet
     if press_primary:
@@ -137,7 +155,9 @@ def test_the_kept_totals_decide_as_the_full_snapshot(
         # the verdicts rounding could flip.
         members = placer.preferred.names if placer.preferred is not None else placer.names
         total = sum(load.recent(n, now, HALF_LIFE) for n in members)
-        mine = load.recent(placer.top2(point).primary, now, HALF_LIFE)
+        # On the limit: the hash primary, or a later candidate a spill would consider.
+        ranking = placer.ranked(point)
+        mine = load.recent(ranking[min(near_rank, len(ranking) - 1)], now, HALF_LIFE)
         factor = (mine + 1.0) * len(members) / (total + 1.0) * (1.0 + near)
     params = AffinityParams(balance_factor=factor, new_session_ttl_s=60.0, override_ttl_s=300.0)
     kept = None
