@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -223,6 +224,11 @@ def test_the_head_of_the_ranking_is_the_rankings_own(
     weights = [float(1 + i % 4) if weighted else 1.0 for i in range(n)]
     placer = Rendezvous(names, tuple(weights))
     assert placer.ranked_head(point, k) == placer.ranked(point)[:k]
+    # first_of: the first of the ranking among a set of lanes (every k-th lane, or none).
+    lanes = np.array([i % k == 0 for i in range(n)]) if k <= n else np.zeros(n, dtype=bool)
+    chosen = {names[i] for i in range(n) if lanes[i]}
+    expected = next((c for c in placer.ranked(point) if c in chosen), None)
+    assert placer.first_of(point, lanes) == expected
     tier = names[: min(loaded, n)]
     rest = names[len(tier) :]
     both = Candidates(
@@ -230,3 +236,25 @@ def test_the_head_of_the_ranking_is_the_rankings_own(
         Rendezvous.of([(c, 1.0) for c in rest]) if rest else None,
     )
     assert both.ranked_head(point, k) == both.ranked(point)[:k]
+
+
+def test_the_first_candidate_on_the_limit_is_left_to_the_exact_path() -> None:
+    names = tuple(f"c{i:03d}" for i in range(64))
+    placer = Rendezvous.of([(c, 1.0) for c in names])
+    point = 12345
+    first = placer.ranked(point)[0]
+    load = LoadTable()
+    for name in names:
+        for _ in range(3 if name == first else 5):
+            load.placed(name, 10.0, HALF_LIFE)
+    assert load.share(placer.names, first, 10.0, None, HALF_LIFE) is not None
+    # count + 1: 4 on the first candidate in hash order, 6 on every other.
+    assert load.first_within(placer, point, 10.0, HALF_LIFE, 4.5, 4.6) == (first, True)
+    assert load.first_within(placer, point, 10.0, HALF_LIFE, 3.9, 4.1) == (first, False)
+    assert load.first_within(placer, point, 10.0, HALF_LIFE, 3.0, 3.5) == (None, True)
+    # Later placements reach the arrays: the first candidate (now 6) and the second (now 7)
+    # are over 6.6, so the third in hash order is the first within.
+    ranking = placer.ranked(point)
+    for name in (first, first, first, ranking[1], ranking[1]):
+        load.placed(name, 10.0, HALF_LIFE)
+    assert load.first_within(placer, point, 10.0, HALF_LIFE, 6.5, 6.6) == (ranking[2], True)
