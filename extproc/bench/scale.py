@@ -442,7 +442,7 @@ def measure_decisions(
 
 
 NEW_BOUND_OFF = "bound off"
-NEW_BOUND_OLD = "bound, full ranking"
+NEW_BOUND_OLD = "bound, previous path"
 NEW_BOUND = "bound (default)"
 
 
