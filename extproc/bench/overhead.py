@@ -335,6 +335,14 @@ class Bench:
         (that of the set-up it is compared with, which an older revision reads as its own)."""
         if setup == BASELINE_SETUP:
             setup = self.baseline_of
+            if not self._baseline_has_header_path():
+                # A revision from before the header path knows neither the setting (its schema
+                # forbids unknown keys) nor another path: its defaults are the body path.
+                if setup == "header":
+                    raise ValueError(
+                        "the baseline revision has no header path: use --baseline-path body"
+                    )
+                return self.fleet_path
         if setup == "header":
             return self.fleet_path
         doc = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.fleet.items()}
@@ -345,6 +353,14 @@ class Bench:
         path = self.workdir / f"fleet-{setup}.yaml"
         path.write_text(yaml.safe_dump(doc))
         return path
+
+    def _baseline_has_header_path(self) -> bool:
+        """Whether the baseline revision has the ``processor.read_body`` setting (where no
+        older tree or no schema is there to read, it is taken to be this tree's)."""
+        if self.baseline_src is None:
+            return True
+        schema = self.baseline_src / "extproc" / "config" / "schema.py"
+        return not schema.exists() or "read_body" in schema.read_text()
 
     def _envoy(self, name: str, config: dict[str, Any], admin: int) -> Proc:
         path = self.workdir / f"{name}.yaml"

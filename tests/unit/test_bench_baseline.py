@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _tree(tmp_path: Path) -> Path:
-    (tmp_path / "extproc").mkdir()
+    (tmp_path / "extproc").mkdir(parents=True)
     (tmp_path / "extproc" / "__init__.py").write_text("")
     return tmp_path
 
@@ -79,3 +79,19 @@ def test_the_baseline_processor_is_started_with_that_config(
     config = baseline.argv[baseline.argv.index("--config") + 1]
     assert load_runtime(Path(config)).decide_at_headers is False
     assert config == extproc.argv[extproc.argv.index("--config") + 1]
+
+
+def test_a_baseline_from_before_the_header_path_runs_its_defaults(tmp_path: Path) -> None:
+    """A revision without ``processor.read_body`` (a044179, issue 11's baseline) forbids the
+    unknown key and did not start; its defaults are the body path, its only one."""
+    old = _tree(tmp_path / "old")
+    (old / "extproc" / "config").mkdir()
+    (old / "extproc" / "config" / "schema.py").write_text("class ProcessorConfig: ...\n")
+    (tmp_path / "w").mkdir()
+    bench = overhead.Bench(tmp_path / "w", 1.0, "wrk", baseline_src=old)
+    assert bench.setup_config(overhead.BASELINE_SETUP) == bench.fleet_path
+    assert "read_body" not in bench.fleet_path.read_text()
+    (tmp_path / "h").mkdir()
+    header = overhead.Bench(tmp_path / "h", 1.0, "wrk", baseline_src=old, baseline_path="header")
+    with pytest.raises(ValueError, match="no header path"):
+        header.setup_config(overhead.BASELINE_SETUP)
