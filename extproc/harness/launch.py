@@ -192,6 +192,11 @@ class FleetStack:
     # none with one replica (no other replica to move them to), else 3.5 s: Envoy's extproc
     # health checks (every 1 s, 1 s timeout, two failures) have seen NOT_SERVING by then.
     drain_delay_s: float | None = None
+    # Engines started elsewhere (real engines: extproc.harness.real_engines), cluster name ->
+    # their ports on 127.0.0.1: listed in fleet.yaml as that cluster's endpoints, named
+    # "<cluster>-e1", ... in ``sim_specs``; no simulated cluster is started. ``clusters`` and
+    # ``engines`` are then ignored.
+    external_engines: Mapping[str, Sequence[int]] = field(default_factory=dict)
 
     sims: dict[str, Proc] = field(default_factory=dict, init=False)
     sim_specs: dict[str, SimSpec] = field(default_factory=dict, init=False)
@@ -326,7 +331,12 @@ class FleetStack:
         self.listener_port, self.admin_port = self._port(), self._port()
         self.grpc_ports = [self._port() for _ in range(max(1, self.processors))]
         self.grpc_port = self.grpc_ports[0]
-        for i in range(1, self.clusters + 1):
+        for cluster, ports in self.external_engines.items():
+            for j, port in enumerate(ports, 1):
+                name = f"{cluster}-e{j}"
+                self._ports.add(port)
+                self.sim_specs[name] = SimSpec(name, port, cluster=cluster)
+        for i in range(1, 0 if self.external_engines else self.clusters + 1):
             if self.engines <= 1:
                 spec = SimSpec(f"c{i}", self._port(), self._sim_args(f"c{i}"))
                 self.sim_specs[spec.name] = spec
@@ -338,7 +348,7 @@ class FleetStack:
         try:
             names = list(self.sim_specs)
             step = max(1, self.sims_per_process)
-            for i in range(0, len(names), step):
+            for i in range(0, 0 if self.external_engines else len(names), step):
                 self._sim_groups[names[i]] = tuple(names[i : i + step])
                 self.start_sim(names[i])
             for spec in self.sim_specs.values():

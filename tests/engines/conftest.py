@@ -1,0 +1,108 @@
+"""Fixtures of the real-engine tier: llama.cpp servers (xllamacpp, ``make engine-deps``) behind
+a real Envoy and a real ``extproc serve``, driven with the real OpenAI SDK.
+
+Engines start once per module (a fixture of each test file), on 127.0.0.1 at free ports; the
+tiny random-weight model is written once into ``.engines/cache`` (gitignored) and reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from extproc.harness.launch import http_get
+from extproc.harness.real_engines import llamacpp
+from extproc.harness.real_engines.base import ENGINES_DIR
+from extproc.harness.real_engines.fleet import RealFleet
+
+TINY = "tiny"
+# Enough for a multi-turn conversation of the tests in every slot: n_ctx is divided among
+# the slots.
+TINY_SPEC_CTX = 8192
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return llamacpp.tiny_model(ENGINES_DIR / "cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    return llamacpp.smollm2_model()
+
+
+def llamacpp_fleet(
+    workdir: Path,
+    spec: llamacpp.LlamaCppSpec,
+    clusters: int = 2,
+    engines: int = 2,
+    specs_by_cluster: Mapping[str, llamacpp.LlamaCppSpec] | None = None,
+    **stack_options: Any,
+) -> RealFleet:
+    """``clusters`` x ``engines`` llama.cpp servers (``spec``, or the cluster's own from
+    ``specs_by_cluster``), named c1-e1 … as the stack names them."""
+    layout = {}
+    for i in range(1, clusters + 1):
+        cluster = f"c{i}"
+        cluster_spec = (specs_by_cluster or {}).get(cluster, spec)
+        layout[cluster] = [
+            llamacpp.LlamaCppEngine(f"{cluster}-e{j}", workdir / "engines", cluster_spec)
+            for j in range(1, engines + 1)
+        ]
+    return RealFleet(workdir, layout, llamacpp.START_TIMEOUT_S, **stack_options)
+
+
+def tiny_spec(model: Path, **fields: Any) -> llamacpp.LlamaCppSpec:
+    return replace(llamacpp.LlamaCppSpec(model, TINY, n_ctx=TINY_SPEC_CTX), **fields)
+
+
+@pytest.fixture
+def openai_client() -> Iterator[Callable[[RealFleet], openai.OpenAI]]:
+    """The real OpenAI SDK pointed at a fleet's Envoy; no SDK retries (a retried request
+    could generate twice and would hide a failure)."""
+    made: list[openai.OpenAI] = []
+
+    def make(fleet: RealFleet) -> openai.OpenAI:
+        assert fleet.stack is not None
+        client = openai.OpenAI(
+            base_url=fleet.stack.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        )
+        made.append(client)
+        return client
+
+    yield make
+    for client in made:
+        client.close()
+
+
+def engine_counter(fleet: RealFleet, name: str) -> float:
+    """The sum over every engine of one unlabelled llama.cpp metric (e.g. a token counter)."""
+    total = 0.0
+    for engine in fleet.engines:
+        total += metric_value(engine.metrics_text(), name)
+    return total
+
+
+def metric_value(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not on the page")
+
+
+def processor_sum(fleet: RealFleet, name: str, **labels: str) -> float:
+    assert fleet.stack is not None
+    want = set(labels.items())
+    samples = fleet.stack.processor_metrics()
+    return sum(v for (n, got), v in samples.items() if n == name and want <= set(got))
+
+
+def engine_models(fleet: RealFleet, name: str) -> bytes:
+    status, body = http_get(fleet.engine(name).port, "/v1/models", timeout=5)
+    assert status == 200
+    return body
