@@ -16,6 +16,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "serve": ("extproc.serve.cmd", "run the ext_proc gRPC service"),
     "envoy": ("extproc.render.envoy_cmd", "print the Envoy bootstrap rendered from fleet.yaml"),
     "gateway": ("extproc.render.gateway_cmd", "print Kubernetes / Gateway API manifests"),
+    "config": (
+        "extproc.config.cmd",
+        "fleet.yaml: print its JSON Schema, check a file, render the reference",
+    ),
     "explain": ("extproc.explain", "show the decision for a session id or a request body"),
     "demo": ("extproc.demo", "run Envoy + processor + simulated clusters and report"),
     "sim-cluster": ("extproc.harness.sim_cluster_cmd", "run a simulated inference cluster"),

@@ -209,7 +209,7 @@ class Metrics:
             ["cluster", "model"],
             registry=registry,
         )
-        # Engine level (issue 22): requests by the engine the processor named (endpoint-picker
+        # Engine level: requests by the engine the processor named (endpoint-picker
         # mode); responses and usage by the host Envoy says served (upstream.address, any
         # mode), else the picker's choice.
         self.engine_requests = Counter(

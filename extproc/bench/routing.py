@@ -64,7 +64,7 @@ if TYPE_CHECKING:
 from extproc.render.envoy import Mode
 
 # The Envoy modes, plus the processor with engines.affinity: round_robin (clusters of several
-# engines: session affinity to the cluster only, as before engine stickiness; issue 22).
+# engines: session affinity to the cluster only, no engine stickiness).
 Setup = Literal["round_robin", "ring_hash", "extproc", "extproc_engine_rr"]
 SETUPS: tuple[Setup, ...] = ("round_robin", "ring_hash", "extproc", "extproc_engine_rr")
 # Without several engines per cluster the fourth set-up is the third one.
@@ -132,7 +132,7 @@ def cluster_names(count: int) -> list[str]:
 
 
 def refused_at_once(classes: list[dict[str, Any]]) -> dict[str, Any]:
-    """fleet.yaml overrides for the 429 contract before flow control (issue 20): no class
+    """fleet.yaml overrides for the 429 contract without flow control: no class
     waits for budget and no new session is placed off its full primary, so an over-budget
     request gets its 429 at once (``--no-wait``, to compare with the default)."""
     return {

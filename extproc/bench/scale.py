@@ -1,4 +1,4 @@
-"""``extproc bench scale``: the two data paths at 16 to 512 clusters (issue 21).
+"""``extproc bench scale``: the two data paths at 16 to 512 clusters.
 
 For each fleet size and endpoints per cluster, and for each design —
 
@@ -21,7 +21,7 @@ hit; and the whole ``Pipeline.decide`` per request on repeating sessions).
 
 The endpoints are loopback ports nothing listens on: Envoy's health checks fail fast
 (connection refused), which costs Envoy what a fleet of dead hosts costs; no request is sent.
-The pairs design takes minutes and GBs from 256 clusters on (issue 21): runs above
+The pairs design takes minutes and GBs from 256 clusters on: runs above
 ``--pairs-max-clusters`` are skipped and listed as such, and any Envoy not ready within
 ``--ready-timeout`` is stopped and reported as a timeout.
 """

@@ -17,7 +17,7 @@ properties repeat one level down:
   whose engine is full goes to its runner-up, so the spill is itself sticky and stays in the
   cluster (another engine of the same cluster is as cold as one of another cluster, and the
   cluster's budget and failover plan still hold);
-- LoRA adapters (issue 23): a request for an adapter prefers the engines where it is loaded
+- LoRA adapters: a request for an adapter prefers the engines where it is loaded
   (``preferred``, from the endpoints' own model lists): the session's rendezvous order over
   those first, then over the rest, with the same bounded load over all of them, so an
   adapter's sessions share its loaded engines until they are full instead of making every

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
 
-# The shipped waits (issue 20: "short requests barely wait; long and agentic requests may wait
-# tens of seconds"). A class bounded at or below SHORT_CLASS_TOKENS serves requests whose whole
+# The shipped waits: short requests barely wait; long and agentic requests may wait tens of
+# seconds. A class bounded at or below SHORT_CLASS_TOKENS serves requests whose whole
 # answer is expected within a second or two: a wait longer than that is worse than a prompt
 # 429 that sends the client elsewhere. Larger classes (and the catch-all, where long
 # agentic contexts land) take tens of seconds of prefill anyway, so waiting for budget costs
@@ -49,9 +49,9 @@ def default_max_wait_s(max_input_tokens: int | None) -> float:
 class WaitPolicy:
     """How long and how many requests of one class may wait for budget on one cluster.
 
-    ``max_wait_s`` 0 means "never wait" (the 429 is immediate, the behaviour before waiting
-    existed; fleet.yaml's default is :func:`default_max_wait_s`); ``max_queue`` bounds the
-    waiters per (cluster, class) (fleet-wide with Redis, extproc/ledger/queue.lua).
+    ``max_wait_s`` 0 means "never wait" (the 429 is immediate; fleet.yaml's default is
+    :func:`default_max_wait_s`); ``max_queue`` bounds the waiters per (cluster, class)
+    (fleet-wide with Redis, extproc/ledger/queue.lua).
     """
 
     max_wait_s: float = 0.0

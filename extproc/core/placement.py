@@ -16,7 +16,7 @@ itself, so that path skips the logarithm.
 The hash is a splitmix64 finaliser over (session point XOR cluster seed): pure 64-bit integer
 arithmetic, so the fleet simulator can evaluate the same function vectorised with numpy.
 
-Cost at hundreds of clusters (issue 21): a decision is O(N) hashes, and a Python loop pays
+Cost at hundreds of clusters: a decision is O(N) hashes, and a Python loop pays
 ~0.3 µs per cluster. Two things keep it flat in the common case, with the same results:
 
 - a bounded cache of recent session points → placement per ``Rendezvous``: sessions come back
@@ -82,7 +82,7 @@ def mix64(x: int) -> int:
 
 # Memoised: the pool data path seeds the endpoints of both picked clusters on every request
 # (core/endpoints.py endpoint_order), 16 blake2b calls at 8 endpoints per cluster, which was
-# most of what the pool's decision cost over the pairs' (issue 21). Bounded: names come from
+# most of what the pool's decision cost over the pairs'. Bounded: names come from
 # the config (clusters, endpoints), never from requests.
 @functools.lru_cache(maxsize=1 << 16)
 def cluster_seed(name: str) -> int:

@@ -961,7 +961,7 @@ class Pipeline:
         picked = pick(head)
         if len(picked) == 2:
             # Both have a ready endpoint: the rest of the order cannot change the answer, and
-            # ranking every cluster costs O(N) per request (issue 21).
+            # ranking every cluster costs O(N) per request.
             return tuple(picked)
         hashed = runtime.policy.placer(route).ranked(facts.session.point)
         return tuple(pick(head + [c for c in hashed if c not in head]))

@@ -55,7 +55,7 @@ def _metadata_cluster(text: str) -> str | None:
 
 def served_address(attributes: Mapping[str, object]) -> str | None:
     """The serving host's ``ip:port`` (``upstream.address``), or None when Envoy did not say:
-    the engine that served, in every mode (issue 22: usage counted per engine)."""
+    the engine that served, in every mode (usage is counted per engine)."""
     struct = attributes.get(EXT_PROC_ATTRIBUTES_KEY)
     if struct is None:
         return None

@@ -67,11 +67,10 @@ def _header_map(headers: Any) -> dict[str, str]:
 #   the half-close then makes grpc.aio send a status on a call the reset has just cancelled;
 #   that batch fails, and grpc.aio leaks its grpc_op array (grpc/grpc#43360, unfixed in grpcio
 #   1.85.3): ~50 B of RSS per stream with a grpc.aio client that half-closes then cancels, and
-#   the soak's steady RSS growth through Envoy (RELIABILITY.md, defect 3). Waiting this long
-#   after the half-close lets the reset end the call instead, through grpc.aio's cancellation
-#   path; through Envoy 1.40 that still leaves ~42 B per stream (RELIABILITY.md), which is why
-#   the graceful close is the default. Its CPU price was never measured cleanly (BENCHMARKS.md,
-#   session 4). A peer that half-closes and waits for the status gets it this much later.
+#   steady RSS growth under a long soak through Envoy. Waiting this long after the half-close
+#   lets the reset end the call instead, through grpc.aio's cancellation path; through Envoy
+#   1.40 that still leaves ~42 B per stream (RELIABILITY.md), which is why the graceful close
+#   is the default. A peer that half-closes and waits for the status gets it this much later.
 ENVOY_RESET_LINGER_S = 0.05
 
 

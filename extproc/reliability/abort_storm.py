@@ -7,7 +7,7 @@ the engine is computing; no response byte yet) and **mid-stream** (tokens are fl
 fourth share of the requests runs to completion, so the budgets are pressed while the storm
 goes on.
 
-What the run shows, for the ledger (issue 13):
+What the run shows, for the ledger:
 
 - no budget is leaked: once the storm ends, every replica's in-flight gauges and every Redis
   compartment (``count``, ``tokens`` and the lease set) return to 0, and how long that took;
@@ -46,8 +46,8 @@ Kind = Literal["complete", "upload", "prefill", "stream"]
 KINDS: tuple[Kind, ...] = ("complete", "upload", "prefill", "stream")
 
 # Tight budgets per cluster, so the storm presses against them and over-admission would show.
-# Refused at once (no flow-control wait, no placement elsewhere: the contract before issue 20's
-# defaults), so the storm meets the budget's own accounting, as its figures were measured.
+# Refused at once (no flow-control wait, no placement elsewhere), so the storm meets the
+# budget's own accounting and nothing else.
 NO_WAIT: dict[str, Any] = {"max_wait_s": 0}
 CLASSES: list[dict[str, Any]] = [
     {"name": "short", "max_input_tokens": 2048, "budget": {"max_concurrent": 4}, "wait": NO_WAIT},

@@ -56,8 +56,8 @@ from extproc.reliability.traffic import FAILURES, SteadyLoad, TrafficOptions
 from extproc.render.envoy_dynamic import write_atomically
 
 # Tight budgets, so steady traffic presses against them and over-admission would show.
-# Refused at once (no flow-control wait, no placement elsewhere: the contract before issue 20's
-# defaults), so the faults meet the budget's own accounting, as the chaos table was measured.
+# Refused at once (no flow-control wait, no placement elsewhere), so the faults meet the
+# budget's own accounting and nothing else.
 NO_WAIT: dict[str, Any] = {"max_wait_s": 0}
 CLASSES: list[dict[str, Any]] = [
     {"name": "short", "max_input_tokens": 2048, "budget": {"max_concurrent": 4}, "wait": NO_WAIT},

@@ -387,7 +387,7 @@ def _engine_hash_policy(runtime: Runtime) -> Json:
 
 
 def _engine_lb(runtime: Runtime) -> Json:
-    """An inference cluster's engine choice when sessions stick to engines (issue 22).
+    """An inference cluster's engine choice when sessions stick to engines.
 
     A consistent hash on the route's hash key. On Envoy 1.40 through the pair aggregates (the
     aggregate hands the request's hash to the member cluster it picks), 300 sessions over 4

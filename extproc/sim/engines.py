@@ -1,4 +1,4 @@
-"""Engines inside a simulated cluster: each with its own KV cache (issue 22).
+"""Engines inside a simulated cluster: each with its own KV cache.
 
 A ``ClusterState`` alone is one prefix cache shared by all of a cluster's prefill lanes: a
 cluster that is really several vLLM / SGLang replicas has one cache per replica, and a session
@@ -25,7 +25,7 @@ from extproc.core.endpoints import (
 )
 from extproc.sim.model import ClusterSpec, ClusterState
 
-# Where a session goes when its engine is over the bounded-load cap (issue 22's engine-level
+# Where a session goes when its engine is over the bounded-load cap (the engine-level
 # load rule, compared side by side by `extproc simulate --engine-spill`):
 # - within: to its runner-up engine of the same cluster (core.endpoints.pick_engine; the rule);
 # - leave: to its secondary cluster (its engine there by the same rendezvous), as if another
