@@ -13,6 +13,7 @@ from extproc.pipeline.outcomes import (
     Routed,
     Unavailable,
 )
+from extproc.render.grove import describe_end, packed_together
 
 
 def explain_outcome(runtime: Runtime, outcome: Outcome) -> dict[str, object]:
@@ -92,6 +93,19 @@ def explain_outcome(runtime: Runtime, outcome: Outcome) -> dict[str, object]:
                 "reason": prefill.reason,
                 "kv_transfer_ms": round(
                     runtime.pd.topology.transfer_s(kv_bytes, prefill.tier) * 1000, 1
+                )
+                if prefill.endpoint is not None
+                else None,
+                # Both ends: their topology domains and where the Grove rendering runs them.
+                "ends": {
+                    "decode": describe_end(runtime.config, outcome.route.placement.primary),
+                    "prefill": describe_end(runtime.config, prefill.endpoint.cluster)
+                    if prefill.endpoint is not None
+                    else None,
+                },
+                # The narrowest domain the Grove rendering requires both ends to share.
+                "packed_together": packed_together(
+                    runtime.config, outcome.route.placement.primary, prefill.endpoint.cluster
                 )
                 if prefill.endpoint is not None
                 else None,

@@ -86,18 +86,26 @@ def _sidecar() -> Json:
     }
 
 
-def _pod_template(cluster: ClusterConfig, levels: list[str]) -> Json:
-    labels = {
+def pod_labels(cluster: ClusterConfig) -> dict[str, str]:
+    """The labels the fleet is read back from: cluster name, role, one per topology level."""
+    return {
         f"{LABEL_PREFIX}cluster": cluster.name,
         f"{LABEL_PREFIX}role": cluster.role,
         **{f"{LABEL_PREFIX}{k}": v for k, v in cluster.topology.items()},
     }
+
+
+def engine_containers(cluster: ClusterConfig) -> list[Json]:
+    """Prefill pods run vLLM alone; decode pods llm-d's routing sidecar in front of vLLM."""
     if cluster.role == "prefill":
-        containers = [_vllm([], SERVE_PORT, "http")]
-    else:
-        # Port names are unique per pod: the sidecar serves "http", vLLM behind it "engine".
-        containers = [_sidecar(), _vllm([], DECODE_ENGINE_PORT, "engine")]
-    spec: Json = {"containers": containers}
+        return [_vllm([], SERVE_PORT, "http")]
+    # Port names are unique per pod: the sidecar serves "http", vLLM behind it "engine".
+    return [_sidecar(), _vllm([], DECODE_ENGINE_PORT, "engine")]
+
+
+def _pod_template(cluster: ClusterConfig, levels: list[str]) -> Json:
+    labels = pod_labels(cluster)
+    spec: Json = {"containers": engine_containers(cluster)}
     narrower = {
         node_label(lvl): cluster.topology[lvl] for lvl in levels[:-1] if lvl in cluster.topology
     }

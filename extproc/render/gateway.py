@@ -295,6 +295,11 @@ def _probes(runtime: Runtime) -> Json:
     }
 
 
+def processor_container(runtime: Runtime, opts: GatewayOptions) -> Json:
+    """The processor's container: fleet.yaml from the ConfigMap mounted as volume "config"."""
+    return _container(runtime, opts)
+
+
 def _container(runtime: Runtime, opts: GatewayOptions) -> Json:
     proc = runtime.config.processor
     container: Json = {
@@ -424,7 +429,8 @@ def render_service(runtime: Runtime, opts: GatewayOptions) -> Json:
     )
 
 
-def render_processor(runtime: Runtime, opts: GatewayOptions, config_text: str) -> list[Json]:
+def render_processor_config(runtime: Runtime, opts: GatewayOptions, config_text: str) -> list[Json]:
+    """fleet.yaml as a ConfigMap, and the Redis URL as a Secret when there is one."""
     url = runtime.config.redis.url
     if url and urlsplit(url).password:
         # fleet.yaml travels as a ConfigMap, readable by anyone who can read the namespace.
@@ -435,6 +441,11 @@ def render_processor(runtime: Runtime, opts: GatewayOptions, config_text: str) -
     objs = [render_config_map(opts, config_text)]
     if url:
         objs.append(render_redis_secret(opts, url))
+    return objs
+
+
+def render_processor(runtime: Runtime, opts: GatewayOptions, config_text: str) -> list[Json]:
+    objs = render_processor_config(runtime, opts, config_text)
     objs += [render_deployment(runtime, opts), render_service(runtime, opts)]
     return objs
 

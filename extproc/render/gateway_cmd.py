@@ -18,7 +18,9 @@ from extproc.render.gateway import (
     GatewayRenderError,
     parse_selector,
     render_manifests,
+    render_processor_config,
 )
+from extproc.render.grove import GroveOptions, GroveRenderError, render_grove
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +57,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="hostname of the pool route (required with --mode all)",
     )
+    pd = parser.add_argument_group("disaggregated prefill/decode (a fleet with P/D roles)")
+    pd.add_argument(
+        "--disagg",
+        choices=("lws", "grove"),
+        default="lws",
+        help="lws: a DisaggregatedSet per island (default); grove: a Grove PodCliqueSet per "
+        "island and a ClusterTopologyBinding, for a topology-aware scheduler",
+    )
+    pd.add_argument(
+        "--scheduler",
+        choices=("default", "kai"),
+        default="default",
+        help="grove: kai schedules the sets' pods with KAI (schedulerName kai-scheduler)",
+    )
+    pd.add_argument("--kai-queue", default="default-queue", help="grove + kai: the KAI queue")
+    pd.add_argument(
+        "--kai-topology",
+        default=None,
+        metavar="NAME",
+        help="grove + kai: an existing KAI Topology to bind the ClusterTopologyBinding to "
+        "(default: Grove creates it from the binding's levels)",
+    )
+    pd.add_argument(
+        "--grove-router",
+        action="store_true",
+        help="grove: Envoy and the processor as a router clique of every set, in place of the "
+        "Gateway objects of --mode",
+    )
     parser.add_argument("-o", "--output", default="-", help="output file (default stdout)")
 
 
@@ -76,18 +106,48 @@ def dump_manifests(objs: list[dict[str, Any]]) -> str:
     )
 
 
-def render_text(config_path: str, opts: GatewayOptions) -> str:
+def render_text(config_path: str, opts: GatewayOptions, grove: GroveOptions | None = None) -> str:
     cfg, raw = load_config(config_path)
     runtime = compile_runtime(cfg, raw)
-    objs = render_manifests(runtime, raw.decode("utf-8"), opts)
-    if has_roles(runtime):
+    if grove is not None and not has_roles(runtime):
+        raise GroveRenderError("--disagg grove: no cluster has a prefill or decode role")
+    if grove is not None and grove.router:
+        # Envoy and the processor run in the sets: fleet.yaml (and the Redis URL) only.
+        objs = render_processor_config(runtime, opts, raw.decode("utf-8"))
+    else:
+        objs = render_manifests(runtime, raw.decode("utf-8"), opts)
+    if grove is not None:
+        # P/D on Grove: a binding and a PodCliqueSet per island (render/grove.py).
+        objs += render_grove(runtime, grove)
+    elif has_roles(runtime):
         # P/D: an example DisaggregatedSet per island, placed by topology (render/disagg.py).
         objs += render_disaggregated_sets(runtime, opts.namespace)
+    what = f"--mode {opts.mode}" if grove is None or not grove.router else "--grove-router"
     header = (
-        f"# Rendered by `extproc gateway --mode {opts.mode}` from {config_path} "
+        f"# Rendered by `extproc gateway {what}` from {config_path} "
         f"(config version {runtime.version}).\n"
     )
     return header + dump_manifests(objs)
+
+
+def grove_options(args: argparse.Namespace) -> GroveOptions | None:
+    """None for the lws rendering; Grove-only flags without --disagg grove are refused."""
+    if args.disagg != "grove":
+        if args.scheduler != "default" or args.grove_router or args.kai_topology:
+            raise GroveRenderError(
+                "--scheduler, --kai-topology, --grove-router need --disagg grove"
+            )
+        return None
+    if args.kai_topology and args.scheduler != "kai":
+        raise GroveRenderError("--kai-topology binds KAI's topology: give --scheduler kai")
+    return GroveOptions(
+        namespace=args.namespace,
+        image=args.image,
+        scheduler=args.scheduler,
+        kai_queue=args.kai_queue,
+        kai_topology=args.kai_topology,
+        router=args.grove_router,
+    )
 
 
 def options_from_args(args: argparse.Namespace) -> GatewayOptions:
@@ -105,11 +165,12 @@ def options_from_args(args: argparse.Namespace) -> GatewayOptions:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        text = render_text(args.config, options_from_args(args))
+        text = render_text(args.config, options_from_args(args), grove_options(args))
     except (
         ConfigError,
         GatewayRenderError,
         DisaggRenderError,
+        GroveRenderError,
         OSError,
         UnicodeDecodeError,
     ) as exc:
