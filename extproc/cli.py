@@ -25,6 +25,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "sim-cluster": ("extproc.harness.sim_cluster_cmd", "run a simulated inference cluster"),
     "replay": ("extproc.harness.replay_cmd", "replay a trace or synthetic workload"),
     "bench": ("extproc.bench.cmd", "benchmarks: overhead, routing, admission"),
+    "engine-fixtures": (
+        "extproc.harness.real_engines.record",
+        "record a real llama.cpp server's /metrics, /v1/models and responses as test fixtures",
+    ),
     "simulate": ("extproc.sim.cmd", "discrete-event fleet simulator"),
     "fuzz": ("extproc.reliability.fuzz_cmd", "fuzz the stream handler or a real Envoy + processor"),
     "chaos": ("extproc.reliability.chaos", "run a fault schedule against a local fleet"),

@@ -232,11 +232,13 @@ class ClusterConfig(Strict):
         default="/health",
         pattern=r"^/",
         description="HTTP path Envoy's active health check and the processor's prober GET on "
-        "every endpoint (vLLM and SGLang answer /health).",
+        "every endpoint (vLLM, SGLang and llama.cpp answer /health).",
     )
-    engine: Literal["vllm", "sglang"] = Field(
+    engine: Literal["vllm", "sglang", "llamacpp", "openai", "auto"] = Field(
         default="vllm",
-        description="Which engine serves here: decides which /metrics names engine_metrics reads.",
+        description="Which engine serves here: decides which /metrics names engine_metrics reads "
+        "(docs/real-engines.md). auto: read from each endpoint's /metrics page; openai: any "
+        "other OpenAI-compatible server, not scraped.",
     )
     metrics_path: str = Field(
         default="/metrics",

@@ -9,6 +9,13 @@ The names are the engines' current ones, as their exporters print them (Promethe
   ``vllm:num_requests_running``, and the token counters ``vllm:prefix_cache_queries`` /
   ``vllm:prefix_cache_hits``, printed with the ``_total`` suffix of a counter. The older
   ``vllm:gpu_cache_usage_perc`` was removed in 0.12 and is not read.
+- llama.cpp's server (``llama-server --metrics``; ``tools/server/server-context.cpp``; no
+  labels, one model per server), read from the running server (``docs/real-engines.md``):
+  ``llamacpp:requests_deferred`` (requests waiting for a slot), ``llamacpp:requests_processing``
+  (requests in a slot), ``llamacpp:n_busy_slots_per_decode`` (the average of busy slots per
+  decode call), and the token counters ``llamacpp:prompt_tokens_total`` (prompt tokens
+  *evaluated*, the cached ones excluded) and ``llamacpp:prompt_tokens_cached_total`` (reused
+  from a slot's KV or the host-RAM prompt cache). It exports no KV-use gauge.
 - SGLang (``--enable-metrics``; ``python/sglang/srt/metrics/collector.py``; labelled
   ``model_name`` and, in newer releases, the parallel ranks): ``sglang:token_usage`` (0..1, the
   KV pool in use), ``sglang:num_queue_reqs``, ``sglang:num_running_reqs``,
@@ -29,18 +36,22 @@ from typing import Literal, get_args
 
 from extproc.core.load import LoadReport
 
-EngineType = Literal["vllm", "sglang"]
+EngineType = Literal["vllm", "sglang", "llamacpp"]
 ENGINE_TYPES: tuple[str, ...] = get_args(EngineType)
 
 
 @dataclass(frozen=True, slots=True)
 class MetricNames:
-    kv: str
+    kv: str | None
     waiting: str
     running: str
     prefix_queries: str | None = None  # cumulative token counters (vLLM)
     prefix_hits: str | None = None
+    # Cumulative prompt tokens evaluated, i.e. looked up and missed (llama.cpp): the lookups
+    # are these plus prefix_hits.
+    prefix_evaluated: str | None = None
     hit_rate: str | None = None  # a ready-made ratio gauge (SGLang)
+    busy_slots: str | None = None  # average busy slots per decode step (llama.cpp)
 
 
 NAMES: dict[str, MetricNames] = {
@@ -57,7 +68,17 @@ NAMES: dict[str, MetricNames] = {
         running="sglang:num_running_reqs",
         hit_rate="sglang:cache_hit_rate",
     ),
+    "llamacpp": MetricNames(
+        kv=None,
+        waiting="llamacpp:requests_deferred",
+        running="llamacpp:requests_processing",
+        prefix_hits="llamacpp:prompt_tokens_cached_total",
+        prefix_evaluated="llamacpp:prompt_tokens_total",
+        busy_slots="llamacpp:n_busy_slots_per_decode",
+    ),
 }
+# Every engine's metric names share its prefix: a page shows which engine printed it.
+_PREFIXES = {"vllm": "vllm:", "sglang": "sglang:", "llamacpp": "llamacpp:"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +91,17 @@ class EngineSample:
     prefix_queries: float | None = None
     prefix_hits: float | None = None
     hit_rate: float | None = None
+    busy_slots: float | None = None
+
+
+def detect_engine(text: str) -> str | None:
+    """The engine whose load names are on a /metrics page (None: none of them are), for a
+    cluster declared ``engine: auto``."""
+    for engine, names in NAMES.items():
+        prefix = _PREFIXES[engine]
+        if prefix in text and series_values(text, names.waiting):
+            return engine
+    return None
 
 
 def _value(text: str) -> float | None:
@@ -150,14 +182,18 @@ def _int(value: float | None) -> int | None:
 def parse_engine_metrics(engine: str, text: str) -> EngineSample | None:
     """One endpoint's load from its /metrics page, read with ``engine``'s names."""
     names = NAMES[engine]
-    kv = _mean(series_values(text, names.kv))
+    kv = _mean(series_values(text, names.kv)) if names.kv else None
     waiting = _int(_sum(series_values(text, names.waiting)))
     running = _int(_sum(series_values(text, names.running)))
     if kv is None and waiting is None and running is None:
         return None
     queries = _sum(series_values(text, names.prefix_queries)) if names.prefix_queries else None
     hits = _sum(series_values(text, names.prefix_hits)) if names.prefix_hits else None
+    if names.prefix_evaluated:
+        evaluated = _sum(series_values(text, names.prefix_evaluated))
+        queries = None if evaluated is None or hits is None else evaluated + hits
     rate = _mean(series_values(text, names.hit_rate)) if names.hit_rate else None
+    busy = _mean(series_values(text, names.busy_slots)) if names.busy_slots else None
     return EngineSample(
         kv=None if kv is None else min(1.0, kv),
         waiting=waiting,
@@ -165,6 +201,7 @@ def parse_engine_metrics(engine: str, text: str) -> EngineSample | None:
         prefix_queries=queries,
         prefix_hits=hits,
         hit_rate=None if rate is None else min(1.0, rate),
+        busy_slots=busy,
     )
 
 
@@ -191,7 +228,8 @@ def cluster_report(samples: Sequence[EngineSample]) -> LoadReport | None:
 
 
 def prefix_hit_ratio(previous: EngineSample | None, current: EngineSample) -> float | None:
-    """Prefix-cache hit ratio since the previous scrape: vLLM's counters' deltas (None when
+    """Prefix-cache hit ratio since the previous scrape: vLLM's and llama.cpp's counters'
+    deltas (None when
     nothing was looked up, or the counters went back, i.e. the engine restarted); SGLang's own
     gauge otherwise."""
     if current.hit_rate is not None:

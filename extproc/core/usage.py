@@ -4,6 +4,11 @@ Read only when response inspection is on (``processor.inspect_usage``): non-stre
 arrive whole (one JSON document); SSE streams are scanned chunk by chunk for the events that
 carry usage — OpenAI's final chunk (``stream_options.include_usage``), Anthropic's
 ``message_start`` (input and cache reads) and ``message_delta`` (output).
+
+Cached input tokens: OpenAI's ``usage.prompt_tokens_details.cached_tokens`` (vLLM with
+``--enable-prompt-tokens-details``, SGLang, llama.cpp's server); a llama.cpp server that sends
+no details still reports them beside the usage, in ``timings.cache_n`` (the prompt tokens it
+reused; ``timings.prompt_n`` are the ones it evaluated).
 """
 
 from __future__ import annotations
@@ -55,8 +60,9 @@ def _int(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def usage_of(api: Api, usage: object) -> Usage:
-    """One ``usage`` object in the API's own shape."""
+def usage_of(api: Api, usage: object, timings: object = None) -> Usage:
+    """One ``usage`` object in the API's own shape; ``timings``: llama.cpp's object beside it
+    (read only when the usage has no ``prompt_tokens_details``)."""
     if not isinstance(usage, Mapping):
         return Usage()
     if api is Api.ANTHROPIC_MESSAGES:
@@ -70,8 +76,12 @@ def usage_of(api: Api, usage: object) -> Usage:
         cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
         return Usage(_int(usage.get("input_tokens")), cached, _int(usage.get("output_tokens")))
     details = usage.get("prompt_tokens_details")
-    cached = _int(details.get("cached_tokens")) if isinstance(details, Mapping) else 0
-    return Usage(_int(usage.get("prompt_tokens")), cached, _int(usage.get("completion_tokens")))
+    if isinstance(details, Mapping):
+        cached = _int(details.get("cached_tokens"))
+    else:
+        cached = _int(timings.get("cache_n")) if isinstance(timings, Mapping) else 0
+    prompt = _int(usage.get("prompt_tokens"))
+    return Usage(prompt, min(cached, prompt), _int(usage.get("completion_tokens")))
 
 
 def _response_id(doc: Mapping[str, object]) -> str | None:
@@ -107,7 +117,7 @@ def usage_from_body(api: Api, body: bytes) -> Usage | None:
     inner = doc.get("response")
     if api is Api.OPENAI_RESPONSES and isinstance(inner, Mapping):
         doc = inner
-    return usage_of(api, doc.get("usage")) if "usage" in doc else None
+    return usage_of(api, doc.get("usage"), doc.get("timings")) if "usage" in doc else None
 
 
 class SseUsageScanner:
@@ -170,4 +180,4 @@ class SseUsageScanner:
                 self.response_id = _response_id(doc)
                 self._wants_id = self.response_id is None
         if doc.get("usage") is not None:
-            self.usage = usage_of(self._api, doc.get("usage"))
+            self.usage = usage_of(self._api, doc.get("usage"), doc.get("timings"))

@@ -1,4 +1,5 @@
-"""What a simulated cluster exposes when it plays a real engine (``--engine vllm|sglang``).
+"""What a simulated cluster exposes when it plays a real engine (``--engine vllm|sglang``;
+llama.cpp's server, ``--engine llamacpp``, is in extproc.harness.llamacpp_format).
 
 Both engines export with ``prometheus_client``, so registering the same metric types, names and
 label names on a ``prometheus_client`` registry prints byte-for-byte the same text format:
@@ -29,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from extproc.harness.kvmodel import LoadSnapshot
 
-SimEngine = Literal["sim", "vllm", "sglang"]
+SimEngine = Literal["sim", "vllm", "sglang", "llamacpp"]
 SIM_ENGINES: tuple[str, ...] = get_args(SimEngine)
 MODEL_NAME = "sim"
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"

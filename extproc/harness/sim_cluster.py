@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import itertools
 import logging
 import math
@@ -54,6 +55,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 
+from extproc.harness import llamacpp_format
 from extproc.harness.class_concurrency import CLASS_HEADER, ClassConcurrency
 from extproc.harness.engine_formats import (
     ORCA_FORMAT_HEADER,
@@ -63,6 +65,7 @@ from extproc.harness.engine_formats import (
     vllm_orca_header,
 )
 from extproc.harness.kvmodel import ClusterModel, ClusterParams, LoadSnapshot, ModelRequest, Plan
+from extproc.harness.llamacpp_format import LlamaCppMetrics, timings
 from extproc.harness.prompts import (
     ApiKind,
     PromptError,
@@ -141,14 +144,16 @@ class SimClusterConfig:
     name: str = "sim"
     params: ClusterParams = field(default_factory=ClusterParams)
     max_output: int = 64
-    # "sim": the simulator's own load headers and metrics; "vllm" / "sglang": the real engine's
-    # /metrics families and response headers, exactly (extproc.harness.engine_formats).
+    # "sim": the simulator's own load headers and metrics; "vllm" / "sglang" / "llamacpp": the
+    # real engine's /metrics families and response headers, exactly (extproc.harness.
+    # engine_formats, llamacpp_format), and llama.cpp's usage timings, model list and errors.
     engine: SimEngine = "sim"
     # This process is one engine of cluster ``name`` (echoed in x-served-by-engine); empty:
     # the process is the whole cluster.
     engine_id: str = ""
     # The models this cluster serves (vLLM's --served-model-name plus its LoRA adapters);
     # others get vLLM's 404. Empty: any model name is served (the simulator's old behaviour).
+    # llama.cpp serves one model and answers any name with it (its alias: the first here).
     models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -312,6 +317,21 @@ def _openai_usage(parsed: _Parsed, plan: Plan) -> dict[str, object]:
     }
 
 
+def _phase_seconds(plan: Plan) -> tuple[float, float]:
+    """Simulated seconds of the prompt's prefill and of the generation."""
+    return (
+        (plan.first_token_at - plan.prefill_start) / plan.time_scale,
+        (plan.done_at - plan.first_token_at) / plan.time_scale,
+    )
+
+
+def _llamacpp_timings(parsed: _Parsed, plan: Plan) -> dict[str, float | int]:
+    prompt_s, predicted_s = _phase_seconds(plan)
+    return timings(
+        plan.cached_tokens, plan.uncached_tokens, parsed.output_tokens, prompt_s, predicted_s
+    )
+
+
 def _anthropic_usage(plan: Plan, output_tokens: int) -> dict[str, object]:
     return {
         "input_tokens": plan.uncached_tokens,
@@ -352,6 +372,11 @@ class SimCluster:
             self.registry,
             lambda: self.model.load(self._clock()),
             config.params.kv_capacity_tokens,
+        )
+        self.llamacpp = (
+            LlamaCppMetrics(lambda: self.model.load(self._clock()))
+            if config.engine == "llamacpp"
+            else None
         )
         self.metrics.set_fault("none")
         self._fault = Fault()
@@ -433,12 +458,18 @@ class SimCluster:
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(self.registry), headers=self._base_headers())
+        page = generate_latest(self.registry)
+        if self.llamacpp is not None:
+            page += self.llamacpp.page().encode()
+        response = web.Response(body=page, headers=self._base_headers())
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
 
     async def _models(self, request: web.Request) -> web.Response:
         names = self.config.models or ("sim",)
+        if self.llamacpp is not None:
+            body = llamacpp_format.models_body(names[0], int(self._wall_clock()))
+            return web.json_response(body, headers=self._base_headers())
         data = [{"id": n, "object": "model", "owned_by": "sim"} for n in names]
         return web.json_response({"object": "list", "data": data}, headers=self._base_headers())
 
@@ -488,9 +519,12 @@ class SimCluster:
 
     def _error(self, api: ApiKind, status: int, message: str) -> web.Response:
         self.metrics.requests.labels(api=api, code=str(status)).inc()
-        return web.json_response(
-            _error_body(api, status, message), status=status, headers=self._base_headers()
+        body = (
+            llamacpp_format.error_body(status, message)
+            if self.llamacpp is not None and api != "anthropic-messages"
+            else _error_body(api, status, message)
         )
+        return web.json_response(body, status=status, headers=self._base_headers())
 
     def _parse(self, api: ApiKind, raw: bytes) -> _Parsed:
         try:
@@ -567,7 +601,9 @@ class SimCluster:
             return web.json_response(
                 not_found_body(exc.response_id), status=404, headers=self._base_headers()
             )
-        if self.config.models and parsed.model not in self.config.models:
+        if self.llamacpp is not None:
+            parsed = dataclasses.replace(parsed, model=(self.config.models or ("sim",))[0])
+        elif self.config.models and parsed.model not in self.config.models:
             self.metrics.requests.labels(api=api, code="404").inc()
             return web.json_response(
                 _model_not_found(api, parsed.model), status=404, headers=self._base_headers()
@@ -589,6 +625,9 @@ class SimCluster:
             return await self._stream(request, parsed, plan, request_id)
         await self._sleep_until(plan.done_at)
         body = self._full_body(parsed, plan, request_id)
+        if self.llamacpp is not None and parsed.api in ("openai-chat", "openai-completions"):
+            body["system_fingerprint"] = llamacpp_format.SYSTEM_FINGERPRINT
+            body["timings"] = _llamacpp_timings(parsed, plan)
         self._store(parsed, _output_text(0, parsed.output_tokens))
         self.metrics.requests.labels(api=api, code="200").inc()
         headers = self._response_headers(plan, request.headers.get(ORCA_FORMAT_HEADER))
@@ -605,6 +644,15 @@ class SimCluster:
         if evicted:
             metrics.evictions.inc(evicted)
         self.engine_metrics.record(parsed.prompt_tokens, plan.cached_tokens)
+        if self.llamacpp is not None:
+            prompt_s, predicted_s = _phase_seconds(plan)
+            self.llamacpp.record(
+                plan.uncached_tokens,
+                plan.cached_tokens,
+                parsed.output_tokens,
+                prompt_s,
+                predicted_s,
+            )
 
     async def _sleep_until(self, instant: float) -> None:
         delay = instant - self._clock()
@@ -623,7 +671,7 @@ class SimCluster:
             if orca is not None:
                 headers[ORCA_HEADER] = orca
             return headers
-        if self.config.engine == "sglang":
+        if self.config.engine in ("sglang", "llamacpp"):
             return headers
         cpu = min(1.0, load.inflight / self.config.params.max_concurrency)
         # ORCA native-HTTP ("TEXT") format as Envoy's parser reads it: comma-separated
@@ -712,7 +760,7 @@ class SimCluster:
         response.content_type = "text/event-stream"
         response.headers["Cache-Control"] = "no-cache"
         events: _StreamEvents | _ResponsesStream = _StreamEvents(
-            parsed, plan, request_id, int(self._wall_clock())
+            parsed, plan, request_id, int(self._wall_clock()), self.llamacpp is not None
         )
         if parsed.body is not None:
             events = _ResponsesStream(
@@ -753,16 +801,21 @@ class _StreamEvents:
     plan: Plan
     request_id: int
     created: int
+    # llama.cpp puts its timings beside the usage of the final chunk.
+    llamacpp: bool = False
 
     def _openai_chunk(self, choice: dict[str, object] | None) -> dict[str, object]:
         chat = self.parsed.api == "openai-chat"
-        return {
+        chunk: dict[str, object] = {
             "id": f"{'chatcmpl' if chat else 'cmpl'}-sim{self.request_id}",
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": self.created,
             "model": self.parsed.model,
             "choices": [] if choice is None else [choice],
         }
+        if self.llamacpp:
+            chunk["system_fingerprint"] = llamacpp_format.SYSTEM_FINGERPRINT
+        return chunk
 
     def _openai_choice(self, text: str, finish: str | None, first: bool) -> dict[str, object]:
         if self.parsed.api == "openai-completions":
@@ -834,6 +887,8 @@ class _StreamEvents:
         finish_chunk = self._openai_chunk(self._openai_choice("", finish, first=False))
         usage_chunk = self._openai_chunk(None)
         usage_chunk["usage"] = _openai_usage(self.parsed, self.plan)
+        if self.llamacpp:
+            usage_chunk["timings"] = _llamacpp_timings(self.parsed, self.plan)
         return _sse(finish_chunk) + _sse(usage_chunk) + b"data: [DONE]\n\n"
 
 

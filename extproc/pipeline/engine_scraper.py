@@ -31,6 +31,7 @@ from extproc.config.schema import FleetConfig
 from extproc.core.engine_metrics import (
     EngineSample,
     cluster_report,
+    detect_engine,
     parse_engine_metrics,
     prefix_hit_ratio,
 )
@@ -47,7 +48,7 @@ ACCEPT = "text/plain;version=0.0.4;q=1,*/*;q=0.1"
 class ScrapeTarget:
     cluster: str
     endpoint: str  # host:port
-    engine: str  # extproc.core.engine_metrics.ENGINE_TYPES
+    engine: str  # extproc.core.engine_metrics.ENGINE_TYPES, or "auto": read from the page
     path: str = "/metrics"
 
     @property
@@ -81,14 +82,16 @@ class ScrapeMetrics:
             "fleet_engine_scrapes",
             "Scrapes of the engines' /metrics pages by cluster and outcome: ok, error (connect"
             " failure or timeout), status (not 200), unparsed (none of the engine's load"
-            " metrics on the page: wrong engine type, or SGLang without --enable-metrics).",
+            " metrics on the page: wrong engine type, SGLang without --enable-metrics, or"
+            " engine: auto and no known engine's names).",
             ["cluster", "outcome"],
             registry=registry,
         )
         self.prefix_hit_ratio = Gauge(
             "fleet_engine_prefix_cache_hit_ratio",
-            "Prefix-cache hit ratio the cluster's engines report (vLLM: token counters between"
-            " two scrapes; SGLang: its cache_hit_rate gauge), averaged over its endpoints.",
+            "Prefix-cache hit ratio the cluster's engines report (vLLM, llama.cpp: token"
+            " counters between two scrapes; SGLang: its cache_hit_rate gauge), averaged over"
+            " its endpoints.",
             ["cluster"],
             registry=registry,
         )
@@ -146,6 +149,16 @@ class EngineScraper:
         self._samples: dict[ScrapeTarget, tuple[EngineSample, float]] = {}
         self._previous: dict[ScrapeTarget, EngineSample] = {}
         self._reported: set[str] = set()
+        # engine: auto, per endpoint: the engine its page showed.
+        self._detected: dict[ScrapeTarget, str] = {}
+
+    def _engine_of(self, target: ScrapeTarget, text: str) -> str | None:
+        if target.engine != "auto":
+            return target.engine
+        engine = self._detected.get(target) or detect_engine(text)
+        if engine is not None:
+            self._detected[target] = engine
+        return engine
 
     async def _scrape(self, target: ScrapeTarget, timeout_s: float) -> None:
         try:
@@ -155,8 +168,10 @@ class EngineScraper:
             log.debug("scrape of %s failed: %s", target.url, exc)
             return
         at = self._clock()
-        sample = parse_engine_metrics(target.engine, text)
+        engine = self._engine_of(target, text)
+        sample = None if engine is None else parse_engine_metrics(engine, text)
         if sample is None:
+            self._detected.pop(target, None)  # another engine may answer there now
             self._metrics.scrapes.labels(target.cluster, "unparsed").inc()
             return
         self._metrics.scrapes.labels(target.cluster, "ok").inc()
@@ -173,6 +188,7 @@ class EngineScraper:
         for gone in [t for t in self._samples if t not in wanted]:
             del self._samples[gone]
             self._previous.pop(gone, None)
+            self._detected.pop(gone, None)
         clusters: dict[str, list[ScrapeTarget]] = {}
         for target in plan.targets:
             clusters.setdefault(target.cluster, []).append(target)
@@ -229,13 +245,15 @@ class EngineScraper:
 
 
 def plan_of(config: FleetConfig) -> ScrapePlan | None:
-    """What fleet.yaml asks to scrape (None: engine_metrics is off)."""
+    """What fleet.yaml asks to scrape (None: engine_metrics is off). A cluster declared
+    ``engine: openai`` has no known metrics page and is not scraped."""
     em = config.engine_metrics
     if not em.enabled:
         return None
     targets = tuple(
         ScrapeTarget(c.name, endpoint, c.engine, c.metrics_path)
         for c in config.clusters
+        if c.engine != "openai"
         for endpoint in c.endpoints
     )
     return ScrapePlan(targets, em.interval_ms / 1000, em.max_age_ms / 1000, em.timeout_ms / 1000)

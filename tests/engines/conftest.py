@@ -54,6 +54,7 @@ def llamacpp_fleet(
             llamacpp.LlamaCppEngine(f"{cluster}-e{j}", workdir / "engines", cluster_spec)
             for j in range(1, engines + 1)
         ]
+    stack_options.setdefault("cluster_fields", {"engine": "llamacpp"})
     return RealFleet(workdir, layout, llamacpp.START_TIMEOUT_S, **stack_options)
 
 
