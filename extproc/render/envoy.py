@@ -52,6 +52,12 @@ RETRY_ON = ("connect-failure", "refused-stream", "reset-before-request", "retria
 RETRIABLE_STATUSES = (429, 503)
 # Consecutive local-origin failures (connect failures, timeouts) that eject a host.
 LOCAL_ORIGIN_EJECT_AFTER = 3
+# A host that accepts connections and resets requests fails half of its local-origin events
+# (a success when the connection is handed over, a failure at the reset): 50 % ejects it, on
+# at least 4 events (two requests) in one outlier interval.
+RESET_EJECT_PERCENT = 50
+RESET_EJECT_VOLUME = 4
+OUTLIER_INTERVAL_S = 1
 # Overprovisioning factor (percent) that keeps a cluster's whole priority share while any of
 # up to 1000 engines is healthy (see _engine_lb).
 WHOLE_CLUSTER = 100_000
@@ -146,22 +152,34 @@ def _outlier_detection() -> Json:
     Without the split, Envoy counts an upstream's own 502/503/504 as gateway failures: one 503
     (an overloaded engine's backpressure) ejected the host. With split_external_local_origin_
     errors, connect failures, timeouts and resets are local-origin events with their own
-    consecutive counter, and HTTP statuses from the engine are external. Every detector on
-    external statuses is off (5xx, gateway failure, success rate): an engine's 429/503 is
-    backpressure and its 500 a bad request, neither is a broken host. Measured on 1.40: a host
-    that accepts connections and then resets them is not ejected (each successful connect
-    resets the consecutive count); the active health check is what takes such a host out.
+    counters, and HTTP statuses from the engine are external. Every detector on external
+    statuses is off (5xx, gateway failure, success rate): an engine's 429/503 is backpressure
+    and its 500 a bad request, neither is a broken host.
+
+    Two local-origin detectors. Consecutive failures (LOCAL_ORIGIN_EJECT_AFTER) take out a host
+    that refuses or times out connections. They never see a host that accepts and then resets:
+    Envoy records a local-origin success for every request that gets a connection (the pool is
+    ready) and a failure for the reset, so the count never passes 1. The local-origin failure
+    percentage sees it: such a host fails exactly half of its local-origin events, a healthy
+    one none. It is judged at the end of every interval on that interval's events, with at
+    least RESET_EJECT_VOLUME of them (two requests), on every host (minimum_hosts 1).
     """
     return {
         "split_external_local_origin_errors": True,
         "consecutive_local_origin_failure": LOCAL_ORIGIN_EJECT_AFTER,
         "enforcing_consecutive_local_origin_failure": 100,
+        "failure_percentage_threshold": RESET_EJECT_PERCENT,
+        "failure_percentage_minimum_hosts": 1,
+        "failure_percentage_request_volume": RESET_EJECT_VOLUME,
+        "enforcing_failure_percentage_local_origin": 100,
+        "enforcing_failure_percentage": 0,
         "consecutive_5xx": 5,
         "enforcing_consecutive_5xx": 0,
         "consecutive_gateway_failure": 5,
         "enforcing_consecutive_gateway_failure": 0,
         "enforcing_success_rate": 0,
-        "interval": "1s",
+        "enforcing_local_origin_success_rate": 0,
+        "interval": f"{OUTLIER_INTERVAL_S}s",
         "base_ejection_time": "10s",
         "max_ejection_percent": 100,
     }

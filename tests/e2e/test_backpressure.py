@@ -158,16 +158,24 @@ def test_a_reset_after_the_engine_took_the_request_is_not_retried(
     _fault(fleet, primary, mode="reset")
     try:
         # The engine starts each generation, then drops the connection before a response byte:
-        # Envoy must not run it again elsewhere. The client gets Envoy's 503 (flag UC).
-        for _ in range(3):
-            code, _hdrs, data = client.post_json(CHAT, body, headers)
+        # Envoy must not run it again elsewhere. The client gets Envoy's 503 (flag UC). Two
+        # resets within one outlier interval eject the primary (tests/e2e/
+        # test_resetting_engine.py): a later request may be served by the secondary, as a new
+        # request, never as a retry of a reset one.
+        resets = 0
+        for attempt in range(3):
+            code, hdrs, data = client.post_json(CHAT, body, headers)
+            if code == 200 and attempt > 0:
+                assert hdrs["x-served-by"] == secondary
+                continue
             assert code == 503, (code, data[:200])
             assert b"reset before headers" in data
+            resets += 1
     finally:
         _fault(fleet, primary, mode="none")
     after = _executions(fleet)
     started_on_primary = after[primary] - before[primary]
-    assert sorted(started_on_primary.values()) == [1, 1, 1]
+    assert sorted(started_on_primary.values()) == [1] * resets
     # None of the three reset requests ran anywhere else.
     assert not set(started_on_primary) & set(after[secondary])
     assert max(_runs_per_request(fleet).values()) == 1

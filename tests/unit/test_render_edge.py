@@ -132,6 +132,11 @@ def test_backpressure_does_not_eject(defaults: dict[str, Any]) -> None:
         assert outlier["enforcing_consecutive_5xx"] == 0
         assert outlier["enforcing_consecutive_gateway_failure"] == 0
         assert outlier["enforcing_success_rate"] == 0
+        assert outlier["enforcing_failure_percentage"] == 0
+        # A host that accepts and resets: the local-origin failure percentage, on every host.
+        assert outlier["enforcing_failure_percentage_local_origin"] == 100
+        assert outlier["failure_percentage_threshold"] == 50
+        assert outlier["failure_percentage_minimum_hosts"] == 1
 
 
 def test_edge_limits(defaults: dict[str, Any]) -> None:
