@@ -162,7 +162,8 @@ def _outlier_detection() -> Json:
     ready) and a failure for the reset, so the count never passes 1. The local-origin failure
     percentage sees it: such a host fails exactly half of its local-origin events, a healthy
     one none. It is judged at the end of every interval on that interval's events, with at
-    least RESET_EJECT_VOLUME of them (two requests), on every host (minimum_hosts 1).
+    least RESET_EJECT_VOLUME of them (two requests), on every host (minimum_hosts 1). Such a
+    host's health check passes: it must not end the ejection.
     """
     return {
         "split_external_local_origin_errors": True,
@@ -182,6 +183,9 @@ def _outlier_detection() -> Json:
         "interval": f"{OUTLIER_INTERVAL_S}s",
         "base_ejection_time": "10s",
         "max_ejection_percent": 100,
+        # A host that resets inference requests still answers its health check: a passing
+        # check must not end the ejection (Envoy's default does).
+        "successful_active_health_check_uneject_host": False,
     }
 
 

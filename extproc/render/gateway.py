@@ -698,6 +698,8 @@ def _passive_health_check() -> Json:
     # local-origin failures (connect failures, resets, timeouts) only. An engine's own 429/503
     # is backpressure and its 500 a bad request: consecutive5XxErrors 0 switches the 5xx
     # detector off and consecutiveGatewayErrors is left unset (Envoy does not enforce it).
+    # The policy has no failure-percentage detector: a host that accepts connections and resets
+    # requests is not ejected here (the bootstrap's local-origin failure percentage does it).
     return {
         "splitExternalLocalOriginErrors": True,
         "consecutiveLocalOriginFailures": LOCAL_ORIGIN_EJECT_AFTER,

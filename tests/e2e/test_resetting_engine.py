@@ -69,7 +69,7 @@ def test_an_engine_that_resets_every_request_is_ejected(
     primary, secondary = placement.primary, placement.secondary
     assert secondary is not None
     address = f"{LOOPBACK}:{fleet.sim_specs[primary].port}"
-    stat = f"cluster.{primary}.outlier_detection.ejections_enforced_failure_percentage_local_origin"
+    stat = f"cluster.{primary}.outlier_detection.ejections_enforced_local_origin_failure_percentage"
     client = make_client(fleet.listener_port)
     code, hdrs, _ = client.post_json(CHAT, body, headers)
     assert (code, hdrs["x-served-by"]) == (200, primary)
