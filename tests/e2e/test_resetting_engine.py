@@ -39,7 +39,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         yield stack
 
 
-def _admin(stack: FleetStack, name: str, method: str, path: str, body: bytes | None = None) -> bytes:
+def _admin(
+    stack: FleetStack, name: str, method: str, path: str, body: bytes | None = None
+) -> bytes:
     client = Client(stack.sim_specs[name].port)
     try:
         status, _headers, data = client.request(
@@ -119,7 +121,6 @@ def _health_flags(stack: FleetStack, cluster: str, address: str) -> str:
     _status, text = http_get(stack.admin_port, "/clusters")
     for line in text.decode().splitlines():
         parts = line.split("::")
-        if len(parts) >= 4 and parts[0] == cluster and parts[1] == address:
-            if parts[2] == "health_flags":
-                return parts[3]
+        if len(parts) >= 4 and parts[:3] == [cluster, address, "health_flags"]:
+            return parts[3]
     raise AssertionError(f"{cluster} {address} not in Envoy's /clusters")
