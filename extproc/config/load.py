@@ -141,6 +141,7 @@ def cross_check(cfg: FleetConfig) -> list[str]:
                 f"session.{field}: {FLEET_HEADER_PREFIX}* headers are reserved for the processor"
             )
     problems.extend(_affinity_problems(cfg))
+    problems.extend(_flow_problems(cfg))
     problems.extend(_pd_problems(cfg))
     problems.extend(_model_problems(cfg))
     ports = {
@@ -308,6 +309,13 @@ def _model_problems(cfg: FleetConfig) -> list[str]:
                 limit = class_names[cls].max_input_tokens
                 problems.extend(_budget_fits(f"models[{i}].budgets.{cls}", budget, limit))
     return problems
+
+
+def _flow_problems(cfg: FleetConfig) -> list[str]:
+    if cfg.flow.tenants and not cfg.flow.tenant_header:
+        # Named tenants are matched by the tenant header's value: without it none ever is.
+        return ["flow.tenants: needs flow.tenant_header (tenants are named by its value)"]
+    return []
 
 
 def _affinity_problems(cfg: FleetConfig) -> list[str]:

@@ -16,14 +16,21 @@ from types import MappingProxyType
 from typing import Literal
 
 from extproc.config.label_secret import resolve_label_secret
-from extproc.config.schema import AffinityConfig, FleetConfig, PricesConfig, ProcessorConfig
+from extproc.config.schema import (
+    AffinityConfig,
+    FleetConfig,
+    FlowConfig,
+    PricesConfig,
+    ProcessorConfig,
+    TenantLimitConfig,
+)
 from extproc.core.affinity import AffinityParams
 from extproc.core.chains import ChainParams, ChainSketch
 from extproc.core.decide import Policy
 from extproc.core.endpoints import EngineChoice
 from extproc.core.facts import ParseLimits
 from extproc.core.fleet import Budget, Cluster, RequestClass
-from extproc.core.flow import FlowParams, WaitPolicy
+from extproc.core.flow import Fairness, FlowParams, TenantFallback, TenantLimit, WaitPolicy
 from extproc.core.keys import KeyRules
 from extproc.core.load import LOAD_HEADERS
 from extproc.core.models import (
@@ -45,6 +52,7 @@ from extproc.core.pd import (
     prefill_class_name,
 )
 from extproc.core.placement import Rendezvous
+from extproc.core.tenants import tenant_key
 from extproc.core.usage import Prices
 
 
@@ -276,13 +284,37 @@ def compile_runtime(
             *([served] if served else []),
             "content-type",
         ),
-        flow=FlowParams(
-            place_new_sessions=cfg.flow.place_new_sessions,
-            tenant_header=cfg.flow.tenant_header,
-            tier_weights=MappingProxyType(dict(cfg.flow.tier_weights)),
-        ),
+        flow=flow_params(cfg.flow),
         flow_redis_poll_s=cfg.flow.redis_poll_ms / 1000,
         flow_redis_notices=cfg.flow.redis_notices,
+    )
+
+
+def _limit(own: TenantLimitConfig, default: TenantLimit) -> TenantLimit:
+    return TenantLimit(
+        own.max_concurrent if own.max_concurrent is not None else default.max_concurrent,
+        own.tokens_per_minute if own.tokens_per_minute is not None else default.tokens_per_minute,
+    )
+
+
+def flow_params(flow: FlowConfig) -> FlowParams:
+    """fleet.yaml's ``flow:`` compiled; named tenants are keyed as the pipeline keys them."""
+    default = TenantLimit(flow.tenant_limit.max_concurrent, flow.tenant_limit.tokens_per_minute)
+    return FlowParams(
+        place_new_sessions=flow.place_new_sessions,
+        tenant_header=flow.tenant_header,
+        tier_weights=MappingProxyType(dict(flow.tier_weights)),
+        fairness=Fairness(flow.fairness),
+        output_weight=flow.output_weight,
+        tenant_fallback=TenantFallback(flow.tenant_fallback),
+        tenant_weights=MappingProxyType(
+            {tenant_key(n): t.weight for n, t in flow.tenants.items() if t.weight is not None}
+        ),
+        tenant_limit=default,
+        tenant_limits=MappingProxyType(
+            {tenant_key(n): _limit(t, default) for n, t in flow.tenants.items()}
+        ),
+        tenant_metrics_top=flow.tenant_metrics_top,
     )
 
 

@@ -469,6 +469,37 @@ class ClassConfig(Strict):
         return self.wait.max_wait_s
 
 
+class TenantLimitConfig(Strict):
+    """A tenant's own limits inside every class, on top of the class budgets. Over one, its
+    request gets a 429 naming the tenant's limit (not the class's)."""
+
+    max_concurrent: int | None = Field(
+        default=None,
+        ge=1,
+        description="Requests of the tenant in flight at once (each replica enforces its share "
+        "when redis.replicas > 1).",
+    )
+    tokens_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        description="Estimated input tokens the tenant may start per minute (a token bucket a "
+        "minute deep; each replica enforces its share when redis.replicas > 1).",
+    )
+
+
+class TenantConfig(TenantLimitConfig):
+    """One tenant, by the value of ``flow.tenant_header``: its weight and its own limits
+    (each unset limit is ``flow.tenant_limit``'s)."""
+
+    weight: float | None = Field(
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Its share of a contended queue relative to other tenants (unset: its "
+        "tier's weight).",
+    )
+
+
 class FlowConfig(Strict):
     """Flow control before a 429: placement of new sessions, fair queueing, wake-ups."""
 
@@ -480,11 +511,44 @@ class FlowConfig(Strict):
     )
     tenant_header: HeaderName | None = Field(
         default=None,
-        description="Trusted header naming the tenant for fair queueing; unset: the tier is the "
-        "tenant.",
+        description="Trusted header naming the tenant (set by your auth layer; Envoy strips a "
+        "client's copy); unset or absent: tenant_fallback decides.",
     )
     tier_weights: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
         default={}, description="A tenant's share of a contended queue, by tier (default 1)."
+    )
+    fairness: Literal["tokens", "requests", "fifo"] = Field(
+        default="tokens",
+        description="What a contended queue shares out fairly among its tenants: the tokens each "
+        "is served (input, plus output x output_weight once usage inspection reads it), one "
+        "unit per request, or nothing (fifo: arrival order). docs/fairness.md.",
+    )
+    output_weight: float = Field(
+        default=2.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Tokens fairness: what one output token costs, in input tokens.",
+    )
+    tenant_fallback: Literal["tier", "api_key", "none"] = Field(
+        default="tier",
+        description="The tenant of a request without tenant_header: its tier, the keyed hash of "
+        "its API key (Authorization bearer or x-api-key), or one shared tenant.",
+    )
+    tenant_limit: TenantLimitConfig = Field(
+        default_factory=TenantLimitConfig,
+        description="Limits every tenant has on top of the class budgets (unset: none).",
+    )
+    tenants: dict[str, TenantConfig] = Field(
+        default={},
+        description="Per tenant, by the tenant header's value: its weight and its own limits "
+        "(needs tenant_header).",
+    )
+    tenant_metrics_top: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description="Per-tenant metrics for the N tenants with the most served tokens, the rest "
+        "as 'other' (0: none). Bounded, so label cardinality stays bounded.",
     )
     redis_poll_ms: int = Field(
         default=500,

@@ -105,6 +105,9 @@ class Reason(StrEnum):
     # Fits the fleet-wide budget but not this replica's share while the shared ledger is down.
     LOCAL_SHARE = "local_share"
     LEDGER_UNAVAILABLE = "ledger_unavailable"
+    # The tenant's own limits (flow.tenant_limit / flow.tenants), not the class's budget.
+    TENANT_CONCURRENCY = "tenant_concurrency"
+    TENANT_TOKEN_RATE = "tenant_token_rate"
 
 
 @dataclass(frozen=True, slots=True)

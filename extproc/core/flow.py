@@ -14,7 +14,10 @@ ARCHITECTURE.md, "Flow control".
    observed release rate (:func:`extproc.core.admission.queued_wait`) fits the class's maximum;
    otherwise it is refused at once with that estimate as its retry hint.
 3. **Fair order** (:class:`FairQueue`): within a (cluster, class) queue, FIFO within a tenant and
-   weighted fair across tenants (start-time fair queueing over unit costs, weight by tier).
+   weighted fair across tenants: self-clocked fair queueing whose cost is, by default, the
+   tokens a tenant is served (:class:`Fairness`), so a tenant of million-token requests gets
+   the same share of a contended class as one of twenty-thousand-token requests, not fifty
+   times it. Weights by tenant or tier. See docs/fairness.md.
 """
 
 from __future__ import annotations
@@ -62,6 +65,59 @@ class WaitPolicy:
         return self.max_wait_s > 0 and self.max_queue > 0
 
 
+class Fairness(StrEnum):
+    """What a contended queue shares out equally (per weight) among its tenants."""
+
+    TOKENS = "tokens"  # the input and output tokens each tenant is served (the default)
+    REQUESTS = "requests"  # one unit per request, whatever its size
+    FIFO = "fifo"  # no fairness: arrival order
+
+
+class TenantFallback(StrEnum):
+    """The tenant of a request without the trusted tenant header."""
+
+    TIER = "tier"  # its tier (no tier: one shared tenant)
+    API_KEY = "api_key"  # the keyed hash of its API key (Authorization bearer or x-api-key)
+    NONE = "none"  # one shared tenant
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimit:
+    """One tenant's own limits inside every class, on top of the class budgets (None: none)."""
+
+    max_concurrent: int | None = None
+    tokens_per_minute: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_concurrent is not None or self.tokens_per_minute is not None
+
+
+@dataclass(frozen=True, slots=True)
+class FairClaim:
+    """A waiter's claim on its queue's fair order: its tenant (a keyed label), the tenant's
+    weight, and the service admitting it costs (:meth:`FlowParams.service`)."""
+
+    tenant: str
+    weight: float = 1.0
+    service: float = 1.0
+
+    @property
+    def increment(self) -> float:
+        """How far its tag lies past the tenant's counter."""
+        return self.service / max(self.weight, 1e-9)
+
+
+@dataclass(frozen=True, slots=True)
+class FairCharge:
+    """Where a request served through a contended queue charges its output, once known."""
+
+    cluster: str
+    class_name: str
+    tenant: str
+    weight: float
+
+
 @dataclass(frozen=True, slots=True)
 class FlowParams:
     """Compiled from fleet.yaml's ``flow:`` section."""
@@ -73,9 +129,51 @@ class FlowParams:
     tenant_header: str | None = None
     # A tenant's share of a contended queue is proportional to its tier's weight (default 1).
     tier_weights: Mapping[str, float] = field(default_factory=dict)
+    fairness: Fairness = Fairness.TOKENS
+    # Tokens fairness: an output token costs this many input tokens (decode holds the engine
+    # for each one; llm-d's router counts them double too).
+    output_weight: float = 2.0
+    tenant_fallback: TenantFallback = TenantFallback.TIER
+    # By tenant label (keyed hash of the tenant's name, as every tenant is known here): its
+    # weight, replacing its tier's, and its own limits, replacing ``tenant_limit``.
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    tenant_limit: TenantLimit = TenantLimit()
+    tenant_limits: Mapping[str, TenantLimit] = field(default_factory=dict)
+    # Per-tenant metrics: the N tenants with the most served tokens get a label, the rest
+    # are "other" (0: no per-tenant metrics).
+    tenant_metrics_top: int = 0
 
-    def weight(self, tier: str | None) -> float:
+    def weight(self, tier: str | None, tenant: str | None = None) -> float:
+        if tenant is not None:
+            own = self.tenant_weights.get(tenant)
+            if own is not None:
+                return own
         return self.tier_weights.get(tier or "", 1.0)
+
+    def service(self, input_tokens: int) -> float:
+        """What admitting a request of ``input_tokens`` costs its tenant in a contended queue,
+        before weighting (its output is charged when it is known: :meth:`output_service`)."""
+        if self.fairness is Fairness.TOKENS:
+            return float(max(1, input_tokens))
+        if self.fairness is Fairness.REQUESTS:
+            return 1.0
+        return 0.0
+
+    def output_service(self, output_tokens: int) -> float:
+        """What ``output_tokens`` served cost the tenant, under tokens fairness (else 0)."""
+        if self.fairness is Fairness.TOKENS and output_tokens > 0:
+            return output_tokens * self.output_weight
+        return 0.0
+
+    def claim(self, tenant: str, tier: str | None, input_tokens: int) -> FairClaim:
+        return FairClaim(tenant, self.weight(tier, tenant), self.service(input_tokens))
+
+    def limit_for(self, tenant: str) -> TenantLimit:
+        return self.tenant_limits.get(tenant, self.tenant_limit)
+
+    @property
+    def limits_tenants(self) -> bool:
+        return self.tenant_limit.enabled or any(x.enabled for x in self.tenant_limits.values())
 
 
 def placement_candidates(
@@ -138,13 +236,16 @@ class _Entry(Generic[T]):
 class FairQueue(Generic[T]):
     """Waiters of one (cluster, class): FIFO per tenant, weighted fair across tenants.
 
-    Self-clocked fair queueing with unit costs: a tenant's n-th waiter gets the tag
-    ``max(V, last tag of the tenant) + 1/weight`` where V is the tag last served; the smallest
-    tag is served first (ties: arrival order). Tags of one tenant only grow, so each tenant is
-    FIFO; while tenants are all backlogged, the requests served to tenants a and b differ from
-    their weights' ratio by at most one request each (``tests/unit/test_flow.py`` checks the
-    bound). A tenant that arrives after an idle spell starts at V, so it cannot claim credit
-    for the time it was away.
+    Self-clocked fair queueing: a waiter of tenant t costing service s (its input tokens under
+    tokens fairness, 1 under requests fairness, 0 for FIFO) gets the tag
+    ``max(V, last tag of t) + s / weight``, where V is the tag last served; the smallest tag
+    is served first (ties: arrival order). A tenant's last tag is its counter (the virtual
+    token counter): it also advances by the output it is later served (:meth:`charge`). Tags
+    of one tenant only grow, so each tenant is FIFO. While tenants a and b are backlogged, the
+    service they are given (divided by weight) differs by at most one largest request of each
+    (``s_max(a) / w_a + s_max(b) / w_b``; ``tests/unit/test_flow.py`` checks the bound). A
+    tenant that becomes active starts at V, the least counter still waiting, so it cannot bank
+    credit for the time it was away.
     """
 
     def __init__(self) -> None:
@@ -164,10 +265,25 @@ class FairQueue(Generic[T]):
         """The summed cost (estimated input tokens) of the live waiters."""
         return self._tokens
 
-    def tag_for(self, tenant: str, weight: float = 1.0) -> float:
-        """The tag a waiter of ``tenant`` joining now gets (what :meth:`push` assigns)."""
-        start = max(self._virtual, self._last.get(tenant, self._virtual))
-        return start + 1.0 / max(weight, 1e-9)
+    def tag_for(self, tenant: str, weight: float = 1.0, service: float = 1.0) -> float:
+        """The tag a waiter of ``tenant`` costing ``service`` joining now gets (what
+        :meth:`push` assigns)."""
+        return self.counter(tenant) + service / max(weight, 1e-9)
+
+    def counter(self, tenant: str) -> float:
+        """Where ``tenant``'s next waiter starts: its counter, lifted to V when behind it."""
+        return max(self._virtual, self._last.get(tenant, self._virtual))
+
+    @property
+    def virtual(self) -> float:
+        """V: the tag last served."""
+        return self._virtual
+
+    def charge(self, tenant: str, service: float, weight: float = 1.0) -> None:
+        """``tenant`` was served ``service`` more (its output, known at the end): its counter
+        advances while the queue is contended; an idle queue owes nobody anything."""
+        if self._live and service > 0:
+            self._last[tenant] = self.counter(tenant) + service / max(weight, 1e-9)
 
     def push(
         self,
@@ -177,12 +293,14 @@ class FairQueue(Generic[T]):
         cost: int = 0,
         tag: float | None = None,
         order: int | None = None,
+        service: float = 1.0,
     ) -> int:
-        """Queue ``item``; returns its id (for :meth:`remove`). ``tag`` and ``order`` given:
-        the place was decided elsewhere (the fleet-wide queue in Redis, queue.lua, computes
-        the same tags over every replica's waiters), and this queue keeps that order."""
+        """Queue ``item`` costing ``service``; returns its id (for :meth:`remove`). ``tag`` and
+        ``order`` given: the place was decided elsewhere (the fleet-wide queue in Redis,
+        queue.lua, computes the same tags over every replica's waiters), and this queue keeps
+        that order."""
         if tag is None:
-            tag = self.tag_for(tenant, weight)
+            tag = self.tag_for(tenant, weight, service)
         self._last[tenant] = max(tag, self._last.get(tenant, tag))
         seq = next(self._seq)
         entry = _Entry(tag, seq if order is None else order, seq, tenant, item, cost)
@@ -244,6 +362,11 @@ class FairQueue(Generic[T]):
                 n += 1
                 tokens += other.cost
         return n, tokens
+
+    def place_for(self, tenant: str, weight: float = 1.0, service: float = 1.0) -> int:
+        """How many live waiters a waiter of ``tenant`` joining now would be served after."""
+        tag = self.tag_for(tenant, weight, service)
+        return sum(1 for other in self._ids.values() if other.tag <= tag)
 
     def __iter__(self) -> Iterator[T]:
         """Live waiters in service order."""

@@ -59,7 +59,7 @@ from extproc.core.admission import (
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
 from extproc.core.fleet import Budget, RequestClass
-from extproc.core.flow import QueueVerdict, WaitPolicy, queue_decision
+from extproc.core.flow import FairCharge, FairClaim, QueueVerdict, WaitPolicy, queue_decision
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.metrics import LedgerMetrics
@@ -343,8 +343,7 @@ class AdmissionGate:
         demand: Demand,
         attempt: Attempt,
         policy: WaitPolicy,
-        tenant: str,
-        weight: float,
+        claim: FairClaim,
         poll_s: float,
     ) -> Queued | Reject:
         """After a refused ``attempt`` of ``demand``: join its queue, or the 429 to answer now
@@ -370,7 +369,7 @@ class AdmissionGate:
         joined: Joined | None = None
         if decision is QueueVerdict.WAIT and shared is not None:
             # None when Redis failed: this replica's queue alone.
-            joined = await self._join_shared(shared, demand, tenant, weight, policy)
+            joined = await self._join_shared(shared, demand, claim, policy)
             if joined is not None and not joined.joined:
                 decision, ahead, ahead_tokens = (
                     QueueVerdict.OVERFLOW,
@@ -378,9 +377,18 @@ class AdmissionGate:
                     joined.ahead_tokens,
                 )
         if decision is QueueVerdict.WAIT:
-            waiter = self.waiters.join(key, tenant, weight, demand.tokens, joined)
+            waiter = self.waiters.join(key, claim, demand.tokens, joined)
             return Queued(
-                self, demand, waiter, policy, poll_s, self._clock, self._rng, self._clock(), answer
+                self,
+                demand,
+                waiter,
+                policy,
+                poll_s,
+                self._clock,
+                self._rng,
+                self._clock(),
+                answer,
+                claim,
             )
         if decision is not QueueVerdict.NO_WAIT:
             self._m.waits.labels(demand.class_name, decision.value).inc()
@@ -399,8 +407,7 @@ class AdmissionGate:
         self,
         shared: RedisLedger,
         demand: Demand,
-        tenant: str,
-        weight: float,
+        claim: FairClaim,
         policy: WaitPolicy,
     ) -> Joined | None:
         ticket = shared.new_ticket()
@@ -409,8 +416,8 @@ class AdmissionGate:
                 demand.cluster,
                 demand.class_name,
                 ticket,
-                tenant,
-                weight,
+                claim.tenant,
+                claim.increment,
                 demand.tokens,
                 policy.max_queue,
             )
@@ -420,6 +427,30 @@ class AdmissionGate:
             return None
         self._redis_ok()
         return joined
+
+    def charge(self, fair: FairCharge, service: float) -> None:
+        """A request served through a contended queue was served ``service`` more (its
+        output): its tenant's counter advances in this replica's queue and, in the
+        background, in the fleet-wide one (lost with Redis: fairness is then a little
+        less exact, nothing else)."""
+        if service <= 0:
+            return
+        key = (fair.cluster, fair.class_name)
+        self.waiters.charge(key, fair.tenant, service, fair.weight)
+        shared = self._shared if self.mode == "redis" else None
+        if shared is None:
+            return
+        increment = service / max(fair.weight, 1e-9)
+
+        async def charge() -> None:
+            try:
+                await shared.charge(fair.cluster, fair.class_name, fair.tenant, increment)
+            except LedgerUnavailable as exc:
+                self._redis_failed("charge", exc)
+
+        task = asyncio.ensure_future(charge())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def leave_shared(self, cluster: str, class_name: str, ticket: str) -> None:
         """Withdraw a waiter's ticket from the fleet-wide queue, in the background (the

@@ -5,7 +5,7 @@
 --
 -- KEYS[1] queue zset (ticket -> tag)   KEYS[2] ticket expiry zset   KEYS[3] queue meta hash
 -- ARGV[1] op: 'join' | 'leave' | 'touch'
---   join:  ARGV[2] ticket, [3] tenant, [4] weight, [5] tokens, [6] lease_s, [7] max_queue,
+--   join:  ARGV[2] ticket, [3] tenant, [4] increment (service / weight), [5] tokens, [6] lease_s, [7] max_queue,
 --          [8] idle_ttl_ms, [9] freed channel.
 --          Returns {joined (1/0), ahead, ahead_tokens, tag, member, order}: ahead = tickets
 --          served before it (all of them when it did not join: the queue was full); member =
@@ -14,9 +14,11 @@
 --   leave: ARGV[2] ticket, [3] freed channel, [4] the compartment's state key (the notice's
 --          payload). Returns 1 when it was queued.
 --   touch: ARGV[2] lease_s, ARGV[3..] tickets. Returns the tickets no longer queued.
+--   charge: ARGV[2] tenant, [3] increment: the tenant's counter advances (output it was
+--          served), while the compartment has a queue. Returns 1 when it did.
 --
--- Tags: self-clocked fair queueing with unit costs, as FairQueue: a tenant's ticket gets
--- max(V, the tenant's last tag) + 1/weight; the smallest tag is served first, ties in
+-- Tags: self-clocked fair queueing, as FairQueue: a tenant's ticket gets
+-- max(V, the tenant's last tag) + increment (its service over its weight: tokens, or 1); the smallest tag is served first, ties in
 -- arrival order (the member starts with the zero-padded arrival number, and Redis orders
 -- equal scores by member); V is the tag last admitted (reserve.lua). Tickets are leases: a replica renews its own
 -- (touch); a dead replica's lapse and are reaped by the next call, so they block nobody for
@@ -29,7 +31,7 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 
 if op == 'join' then
   local tenant = ARGV[3]
-  local weight, tokens = tonumber(ARGV[4]), tonumber(ARGV[5])
+  local increment, tokens = tonumber(ARGV[4]), tonumber(ARGV[5])
   local lease, max_queue, idle_ttl_ms = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
   reap_tickets(queue, expiry, meta, now)
   reset_if_idle(queue, meta)
@@ -41,7 +43,7 @@ if op == 'join' then
   local ticket = string.format('%012d', order) .. '/' .. ARGV[2]
   local vt = tonumber(redis.call('HGET', meta, 'vt')) or 0
   local last = tonumber(redis.call('HGET', meta, 't:' .. tenant)) or vt
-  local tag = math.max(vt, last) + 1 / math.max(weight, 1e-9)
+  local tag = math.max(vt, last) + math.max(increment, 0)
   local text = string.format('%.17g', tag)
   redis.call('ZADD', queue, text, ticket)
   redis.call('ZADD', expiry, now + lease, ticket)
@@ -61,6 +63,13 @@ elseif op == 'leave' then
     redis.call('PUBLISH', channel, ARGV[4])
   end
   return removed
+elseif op == 'charge' then
+  if redis.call('ZCARD', queue) == 0 then return 0 end
+  local field = 't:' .. ARGV[2]
+  local vt = tonumber(redis.call('HGET', meta, 'vt')) or 0
+  local last = tonumber(redis.call('HGET', meta, field)) or vt
+  redis.call('HSET', meta, field, string.format('%.17g', math.max(vt, last) + tonumber(ARGV[3])))
+  return 1
 elseif op == 'touch' then
   local until_ = now + tonumber(ARGV[2])
   local lost, update = {}, {}

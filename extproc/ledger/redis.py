@@ -420,13 +420,14 @@ class RedisLedger:
         class_name: str,
         ticket: str,
         tenant: str,
-        weight: float,
+        increment: float,
         tokens: int,
         max_queue: int,
     ) -> Joined:
-        """Queue ``ticket`` in the compartment's fleet-wide fair order (unless it is full)."""
+        """Queue ``ticket`` in the compartment's fleet-wide fair order (unless it is full);
+        its tag lies ``increment`` past its tenant's counter (FairClaim.increment)."""
         keys = queue_keys(self.prefix, cluster, class_name)
-        args: list[str | int] = ["join", ticket, tenant, repr(float(weight)), tokens]
+        args: list[str | int] = ["join", ticket, tenant, repr(float(increment)), tokens]
         args += [repr(TICKET_LEASE_S), max_queue, self._idle_ttl_ms]
         raw = await self._bounded("join", self._queue(keys=keys, args=args))
         return Joined(
@@ -440,6 +441,13 @@ class RedisLedger:
         args = ["leave", ticket, self.freed_channel, state]
         raw = await self._bounded("leave", self._queue(keys=keys, args=args))
         return int(raw) == 1
+
+    async def charge(self, cluster: str, class_name: str, tenant: str, increment: float) -> None:
+        """Advance ``tenant``'s counter in the compartment's fleet-wide queue by
+        ``increment`` (its output, weighted), while the queue is contended."""
+        keys = queue_keys(self.prefix, cluster, class_name)
+        args = ["charge", tenant, repr(float(increment))]
+        await self._bounded("charge", self._queue(keys=keys, args=args))
 
     async def touch(self, cluster: str, class_name: str, tickets: Sequence[str]) -> list[str]:
         """Renew ``tickets``' leases; returns those no longer queued (lapsed or admitted)."""

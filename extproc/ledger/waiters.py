@@ -44,7 +44,7 @@ from extproc.core.admission import (
     queued_wait,
     verdict,
 )
-from extproc.core.flow import FairQueue, WaitPolicy
+from extproc.core.flow import FairCharge, FairClaim, FairQueue, WaitPolicy
 from extproc.ledger.metrics import LedgerMetrics
 from extproc.ledger.redis import TICKET_LEASE_S
 from extproc.redis_client import any_client, is_cluster_url
@@ -93,8 +93,7 @@ class Waiters:
     def join(
         self,
         key: Key,
-        tenant: str,
-        weight: float,
+        claim: FairClaim,
         tokens: int,
         joined: Joined | None = None,
     ) -> Waiter:
@@ -105,10 +104,14 @@ class Waiters:
             queue = self._queues[key] = FairQueue()
         if joined is None:
             waiter = Waiter(key)
-            waiter.seq = queue.push(waiter, tenant, weight, tokens)
+            waiter.seq = queue.push(
+                waiter, claim.tenant, claim.weight, tokens, service=claim.service
+            )
         else:
             waiter = Waiter(key, joined.ticket)
-            waiter.seq = queue.push(waiter, tenant, weight, tokens, joined.tag, joined.order)
+            waiter.seq = queue.push(
+                waiter, claim.tenant, claim.weight, tokens, joined.tag, joined.order
+            )
         self._m.queue_depth.labels(*key).set(len(queue))
         return waiter
 
@@ -129,6 +132,25 @@ class Waiters:
             del self._queues[waiter.key]
         elif was_head:
             self._wake_head(queue)
+
+    def charge(self, key: Key, tenant: str, service: float, weight: float) -> None:
+        """A tenant served through this queue was served ``service`` more (its output)."""
+        queue = self._queues.get(key)
+        if queue is not None:
+            queue.charge(tenant, service, weight)
+
+    def fair_view(self, key: Key, claim: FairClaim) -> dict[str, object]:
+        """The tenant's standing in this replica's queue of ``key``, for explain: its counter
+        past V (how much more than the least-served waiting tenant it has been served, per
+        weight) and the waiters a request of ``claim`` joining now would be served after."""
+        queue = self._queues.get(key)
+        if queue is None:
+            return {"queued": 0, "counter_over_v": 0.0, "would_follow": 0}
+        return {
+            "queued": len(queue),
+            "counter_over_v": round(queue.counter(claim.tenant) - queue.virtual, 3),
+            "would_follow": queue.place_for(claim.tenant, claim.weight, claim.service),
+        }
 
     def freed(self, cluster: str, class_name: str) -> None:
         """Budget was released on (cluster, class): the head tries again."""
@@ -169,6 +191,8 @@ class Queued:
     rng: Random
     started: float
     answer: LedgerAnswer
+    # Its tenant's claim on the fair order (what its output is charged to, once served).
+    claim: FairClaim
     done: bool = False
     # Admitted by the Redis ledger, which took its ticket off the fleet-wide queue itself.
     _granted_shared: bool = False
@@ -176,6 +200,11 @@ class Queued:
     @property
     def max_wait_s(self) -> float:
         return self.policy.max_wait_s
+
+    @property
+    def fair(self) -> FairCharge:
+        demand, claim = self.demand, self.claim
+        return FairCharge(demand.cluster, demand.class_name, claim.tenant, claim.weight)
 
     def _finish(self, result: str) -> None:
         if self.done:

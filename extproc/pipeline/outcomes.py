@@ -25,10 +25,12 @@ from extproc.core.affinity import Kind
 from extproc.core.api import Api, BadRequest
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
+from extproc.core.flow import FairCharge
 from extproc.core.keys import SessionKey
 from extproc.core.models import ModelUnavailable
 from extproc.core.pd import PrefillChoice
 from extproc.core.usage import SseUsageScanner
+from extproc.ledger.tenant_limits import TenantSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +80,11 @@ class Hold:
     # Usage inspection: the engine credited with the response's tokens (the host Envoy says
     # served, else the picker's first choice).
     usage_engine: str | None = None
+    # Per-tenant limits: the slot of the tenant's own limits it holds.
+    tenant_slot: TenantSlot | None = None
+    # Served through a contended queue: where its output is charged to its tenant's counter
+    # once usage inspection reads it (extproc.core.flow, tokens fairness).
+    fair: FairCharge | None = None
 
     @property
     def held(self) -> bool:
@@ -88,6 +95,7 @@ class Hold:
             or self.prefill_ticket is not None
             or self.prefill_endpoint is not None
             or self.engine is not None
+            or self.tenant_slot is not None
         )
 
 

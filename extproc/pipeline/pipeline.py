@@ -20,8 +20,10 @@ import asyncio
 import dataclasses
 import logging
 import secrets
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from random import Random
 from urllib.parse import unquote
 
 import orjson
@@ -58,8 +60,12 @@ from extproc.core.models import (
 )
 from extproc.core.pd import PrefillChoice, bootstrap_batch, bootstrap_fields
 from extproc.core.placement import HEAD_MIN_CLUSTERS, Placement, Rendezvous, mix64
+from extproc.core.tenant_limits import refusal as tenant_refusal
+from extproc.core.tenant_limits import share as tenant_share
+from extproc.core.tenants import Tenant, resolve_tenant
 from extproc.core.usage import SseUsageScanner, Usage, response_id_from_body, usage_from_body
 from extproc.ledger.gate import AdmissionGate
+from extproc.ledger.tenant_limits import TenantLimits, TenantSlot
 from extproc.ledger.waiters import Queued
 from extproc.metrics import Metrics
 from extproc.names import prefill_mirror_cluster
@@ -166,8 +172,14 @@ class Pipeline:
         fleet: FleetState | None = None,
         rooms: Callable[[], int] = lambda: secrets.randbits(63),
         share_totals: bool = True,
+        tenant_limits: TenantLimits | None = None,
+        rng: Random | None = None,
     ) -> None:
         self._runtime = runtime
+        # Per-tenant limits (flow.tenant_limit / flow.tenants), counted by this replica.
+        self.tenant_limits = tenant_limits or TenantLimits(time.monotonic)
+        # The jitter of the retry hints the pipeline itself computes (tenant limits).
+        self._rng = rng or Random()
         # False: a new session's bound is judged from the full ranking and snapshot only (the
         # benchmark's baseline; same decisions, see _follow_override).
         self._share_totals = share_totals
@@ -406,9 +418,16 @@ class Pipeline:
                 engines=self._adapter_engines(runtime, facts, route),
             )
         hold = Hold(api, headers.get("x-request-id", ""))
+        tenant = self._tenant(runtime, headers, facts)
+        if runtime.flow.limits_tenants:
+            over = self._take_tenant(runtime, tenant, facts, route, hold)
+            if over is not None:
+                self._count_reject(facts, over, headers)
+                return Rejected(facts, route, kind, over)
         if self._gate is not None:
-            admission = await self._admit(self._gate, runtime, facts, route, view, now, headers)
+            admission = await self._admit(self._gate, runtime, facts, route, view, now, tenant)
             if isinstance(admission, Reject):
+                self._give_tenant(hold)
                 self._count_reject(facts, admission, headers)
                 return Rejected(facts, route, kind, admission)
             if isinstance(admission, _Placed):
@@ -436,12 +455,19 @@ class Pipeline:
         async def resume() -> Outcome:
             admission = await queued.wait()
             if isinstance(admission, Reject):
+                self._give_tenant(hold)
                 self._count_reject(facts, admission, headers)
                 return Rejected(facts, route, kind, admission)
             hold.ticket = admission.ticket
+            # Served through a contended queue: its output is charged to its tenant too.
+            hold.fair = queued.fair
             return await self._routed(runtime, facts, route, kind, hold, headers, prefill)
 
-        return Waiting(facts, route, kind, queued.max_wait_s, resume, queued.cancel)
+        def cancel() -> None:
+            self._give_tenant(hold)
+            queued.cancel()
+
+        return Waiting(facts, route, kind, queued.max_wait_s, resume, cancel)
 
     async def _routed(
         self,
@@ -459,6 +485,7 @@ class Pipeline:
             refused = await self._admit_prefill(runtime, facts, route, prefill, hold)
             if refused is not None:
                 self._count_reject(facts, refused, headers)
+                self._give_tenant(hold)
                 if hold.ticket is not None:
                     ticket, hold.ticket = hold.ticket, None
                     await asyncio.shield(self._gate.release(ticket))
@@ -741,7 +768,7 @@ class Pipeline:
         route: Route,
         view: SessionView | None,
         now: float,
-        headers: Mapping[str, str],
+        tenant: Tenant,
     ) -> Admitted | Reject | _Placed | Queued | None:
         """Admission with flow control (extproc/core/flow.py): the chosen primary; else, for
         a new session, its next hash candidate with room; else a bounded wait; else a 429."""
@@ -761,16 +788,75 @@ class Pipeline:
             placed = await self._place_elsewhere(gate, runtime, facts, route, view, now)
             if placed is not None:
                 return placed
-        header = runtime.flow.tenant_header
-        tenant = (headers.get(header) if header else None) or facts.tier or ""
-        return await gate.queue(
-            planned,
-            attempt,
-            cls.wait,
-            tenant,
-            runtime.flow.weight(facts.tier),
-            runtime.flow_redis_poll_s,
+        claim = runtime.flow.claim(tenant.key, facts.tier, request_tokens(facts))
+        return await gate.queue(planned, attempt, cls.wait, claim, runtime.flow_redis_poll_s)
+
+    def tenant_view(
+        self, headers: Mapping[str, str], facts: RequestFacts, cluster: str, class_name: str
+    ) -> dict[str, object]:
+        """The request's tenant as fair admission sees it (for explain): its label, never its
+        name; its weight, its standing in the queue on (cluster, class), its own limits."""
+        runtime = self._runtime.current
+        flow = runtime.flow
+        tenant = self._tenant(runtime, headers, facts)
+        claim = flow.claim(tenant.key, facts.tier, request_tokens(facts))
+        out: dict[str, object] = {
+            "label": tenant.label,
+            "source": tenant.source,
+            "fairness": flow.fairness.value,
+            "weight": claim.weight,
+            "service": claim.service,
+        }
+        if self._gate is not None:
+            out["queue"] = self._gate.waiters.fair_view((cluster, class_name), claim)
+        limit = flow.limit_for(tenant.key)
+        if limit.enabled:
+            own = tenant_share(limit, runtime.redis.replicas)
+            use = self.tenant_limits.use(tenant.key, own)
+            out["limits"] = {
+                "max_concurrent": own.max_concurrent,
+                "tokens_per_minute": own.tokens_per_minute,
+                "inflight": use.inflight,
+                "bucket_tokens": round(use.bucket_tokens, 1),
+            }
+        return out
+
+    @staticmethod
+    def _tenant(runtime: Runtime, headers: Mapping[str, str], facts: RequestFacts) -> Tenant:
+        flow = runtime.flow
+        return resolve_tenant(
+            headers,
+            facts.tier,
+            flow.tenant_header,
+            flow.tenant_fallback,
+            runtime.key_rules.label_secret,
         )
+
+    def _take_tenant(
+        self,
+        runtime: Runtime,
+        tenant: Tenant,
+        facts: RequestFacts,
+        route: Route,
+        hold: Hold,
+    ) -> Reject | None:
+        """Hold a slot of the tenant's own limits, or the 429 that names them."""
+        limit = runtime.flow.limit_for(tenant.key)
+        if not limit.enabled:
+            return None
+        tokens = request_tokens(facts)
+        own = tenant_share(limit, runtime.redis.replicas)
+        taken = self.tenant_limits.take(tenant.key, tokens, own)
+        if isinstance(taken, TenantSlot):
+            hold.tenant_slot = taken
+            return None
+        cls, cluster = route.request_class.name, route.placement.primary
+        return tenant_refusal(own, taken, tokens, cls, cluster, self._rng)
+
+    def _give_tenant(self, hold: Hold) -> None:
+        slot, hold.tenant_slot = hold.tenant_slot, None
+        if slot is not None:
+            self.tenant_limits.give(slot)
 
     async def _place_elsewhere(
         self,
@@ -1054,15 +1140,11 @@ class Pipeline:
         if scanner is not None:
             scanner.feed(chunk)
             if end_of_stream:
-                self._account_usage(cluster, hold.usage_model, scanner.finish(), hold.usage_engine)
-                hold.usage_cluster = None
+                self._account_usage(cluster, hold, scanner.finish())
             response_id = scanner.response_id
         else:
             if end_of_stream:
-                self._account_usage(
-                    cluster, hold.usage_model, usage_from_body(hold.api, chunk), hold.usage_engine
-                )
-                hold.usage_cluster = None
+                self._account_usage(cluster, hold, usage_from_body(hold.api, chunk))
             response_id = response_id_from_body(chunk) if hold.link_session else None
         if response_id is not None and hold.link_session is not None:
             session, hold.link_session = hold.link_session, None
@@ -1077,12 +1159,15 @@ class Pipeline:
                 )
                 self._metrics.response_links.labels("learnt").inc()
 
-    def _account_usage(
-        self, cluster: str, model: str, usage: Usage | None, engine: str | None
-    ) -> None:
+    def _account_usage(self, cluster: str, hold: Hold, usage: Usage | None) -> None:
+        hold.usage_cluster = None
+        model, engine = hold.usage_model, hold.usage_engine
         if usage is None:
             self._metrics.usage_missing.inc()
             return
+        fair, hold.fair = hold.fair, None
+        if fair is not None and self._gate is not None:
+            self._gate.charge(fair, self._runtime.current.flow.output_service(usage.output_tokens))
         m = self._metrics
         m.upstream_input_tokens.labels(cluster, "hit").inc(usage.cached_tokens)
         m.upstream_input_tokens.labels(cluster, "miss").inc(
@@ -1153,6 +1238,7 @@ class Pipeline:
 
     async def release(self, hold: Hold) -> None:
         """Give back what the exchange holds; idempotent, never raises for the ledger."""
+        self._give_tenant(hold)
         routed, hold.routed_to = hold.routed_to, None
         if routed is not None:
             self.fleet.finished(routed)

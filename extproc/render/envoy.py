@@ -641,9 +641,11 @@ def _access_log(path: str) -> list[Json]:
 
 def internal_only_headers(runtime: Runtime) -> list[str]:
     """Headers only a trusted hop may set: the processor's own (with the P/D prefiller header,
-    which makes the decode-side sidecar dial a host) and the tenant tier."""
-    tier = runtime.config.session.tier_header
-    return [*FLEET_HEADERS, *PD_HEADERS, *([tier] if tier else [])]
+    which makes the decode-side sidecar dial a host), the tenant tier and the tenant (a
+    client naming another tenant would take its share and its limits)."""
+    cfg = runtime.config
+    trusted = [h for h in (cfg.session.tier_header, cfg.flow.tenant_header) if h]
+    return [*FLEET_HEADERS, *PD_HEADERS, *dict.fromkeys(trusted)]
 
 
 def _path_normalisation() -> Json:

@@ -256,6 +256,9 @@ class Service:
             result["flow_on_primary"] = await self.gate.flow_preview(
                 str(result["primary"]), cls, request_tokens(outcome.facts)
             )
+            result["tenant"] = self.pipeline.tenant_view(
+                request_headers(path, headers), outcome.facts, str(result["primary"]), cls.name
+            )
         return result
 
     # -- reload ------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from extproc.config.runtime import Overrides
 from extproc.core.admission import Demand
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.fleet import Budget
-from extproc.core.flow import FairQueue
+from extproc.core.flow import FairClaim, FairQueue
 from extproc.ledger.gate import build_gate
 from extproc.ledger.redis import TICKET_LEASE_S, RedisLedger
 from extproc.metrics import Metrics
@@ -400,14 +400,17 @@ def module_redis() -> Iterator[RedisServer]:
         yield srv
 
 
-Op = tuple[str, int]  # ("join", tenant) | ("serve", 0) | ("leave", nth live waiter)
+# ("join", tenant) | ("serve", 0) | ("leave", nth live waiter) | ("charge", tenant)
+Op = tuple[str, int]
 WEIGHTS = (1.0, 2.0, 0.5)  # tenant i's weight
+SIZES = (1, 20_000, 1_000_000)  # tenant i's request tokens (tokens fairness: its service)
 
 ops_strategy = st.lists(
     st.one_of(
         st.tuples(st.just("join"), st.integers(0, len(WEIGHTS) - 1)),
         st.tuples(st.just("serve"), st.just(0)),
         st.tuples(st.just("leave"), st.integers(0, 7)),
+        st.tuples(st.just("charge"), st.integers(0, len(WEIGHTS) - 1)),
     ),
     min_size=1,
     max_size=40,
@@ -421,9 +424,10 @@ def test_fleet_wide_queue_serves_in_the_fair_queues_order(
     module_redis: RedisServer, ops: list[Op]
 ) -> None:
     """queue.lua and reserve.lua put every replica's waiters in the order of the core's
-    FairQueue (FIFO per tenant, weighted fair across tenants), so its fairness bound
-    (tests/unit/test_flow.py) holds fleet-wide: joins from two replicas, admissions of the
-    head and withdrawals in any order give the same service order as one FairQueue."""
+    FairQueue (FIFO per tenant, token-weighted fair across tenants), so its fairness bound
+    (tests/unit/test_flow.py) holds fleet-wide: joins of requests of different sizes from
+    two replicas, admissions of the head, withdrawals and output charges in any order give
+    the same service order as one FairQueue."""
     asyncio.run(_same_order_as_fair_queue(module_redis.url, ops, f"fq{next(EXAMPLES)}"))
 
 
@@ -437,11 +441,14 @@ async def _same_order_as_fair_queue(url: str, ops: list[Op], prefix: str) -> Non
         for step, (op, arg) in enumerate(ops):
             ledger = replicas[step % 2]
             if op == "join":
+                claim = FairClaim(f"t{arg}", WEIGHTS[arg], float(SIZES[arg]))
                 joined = await ledger.join(
-                    "c1", "long", ledger.new_ticket(), f"t{arg}", WEIGHTS[arg], 1, 1000
+                    "c1", "long", ledger.new_ticket(), claim.tenant, claim.increment, 1, 1000
                 )
                 assert joined.joined
-                ids[joined.ticket] = model.push(joined.ticket, f"t{arg}", WEIGHTS[arg])
+                ids[joined.ticket] = model.push(
+                    joined.ticket, claim.tenant, claim.weight, service=claim.service
+                )
                 live.append(joined.ticket)
                 assert joined.tag == model._ids[ids[joined.ticket]].tag
             elif op == "serve" and live:
@@ -460,6 +467,11 @@ async def _same_order_as_fair_queue(url: str, ops: list[Op], prefix: str) -> Non
                 gone = live.pop(arg % len(live))
                 assert await ledger.leave("c1", "long", gone)
                 assert model.remove(ids[gone])
+            elif op == "charge":
+                # Output served to a tenant: its later requests queue further back.
+                output = 2.0 * SIZES[arg]
+                await ledger.charge("c1", "long", f"t{arg}", output / WEIGHTS[arg])
+                model.charge(f"t{arg}", output, WEIGHTS[arg])
             peek = await ledger.usage("c1", "long", Budget())
             assert peek.queued == len(model) == len(live)
     finally:
