@@ -18,6 +18,7 @@ from extproc.render.envoy import (
     EnvoyOptions,
     render_bootstrap,
 )
+from extproc.render.envoy_parts import render_part
 from tests.unit.test_render_envoy import _clusters, _hcm, _routes, validate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,3 +170,37 @@ def test_the_compose_bootstrap_carries_the_edge_settings() -> None:
     config = render_bootstrap(load_runtime(CANONICAL), EnvoyOptions(mode="extproc"))
     assert {r["route"]["timeout"] for r in _routes(config)} == {"0s"}
     assert "x-tenant-tier" in _hcm(config)["route_config"]["internal_only_headers"]
+
+
+def test_the_tenant_header_is_only_trusted_from_a_trusted_hop() -> None:
+    """A client naming a tenant would take that tenant's fair share and limits: the tenant
+    header is stripped at the edge like the tier header, in the bootstrap and the drop-in
+    routes alike."""
+    runtime = compile_runtime(
+        parse_config(
+            {
+                "version": 1,
+                "session": {"tier_header": "x-tier"},
+                "flow": {"tenant_header": "x-tenant"},
+                "clusters": [{"name": "a", "endpoints": ["127.0.0.1:18201"]}],
+            }
+        )
+    )
+    bootstrap = render_bootstrap(runtime, EnvoyOptions(mode="extproc"))
+    internal = _hcm(bootstrap)["route_config"]["internal_only_headers"]
+    assert internal[-2:] == ["x-tier", "x-tenant"]
+    routes = render_part(runtime, "routes")
+    assert routes["internal_only_headers"] == internal
+    # The same header for both: named once.
+    same = compile_runtime(
+        parse_config(
+            {
+                "version": 1,
+                "session": {"tier_header": "x-who"},
+                "flow": {"tenant_header": "x-who"},
+                "clusters": [{"name": "a", "endpoints": ["127.0.0.1:18201"]}],
+            }
+        )
+    )
+    internal = _hcm(render_bootstrap(same, EnvoyOptions(mode="extproc")))["route_config"]
+    assert internal["internal_only_headers"].count("x-who") == 1
