@@ -1,0 +1,155 @@
+"""Fair shares among tenants inside a class, through a real Envoy, two processor replicas
+sharing one Redis (the fleet-wide queue, extproc/ledger/queue.lua) and the real OpenAI SDK.
+
+One cluster; the catch-all class admits ONE request at a time fleet-wide and lets the rest wait.
+Tenants are told apart by their API key (``flow.tenant_fallback: api_key``), as the SDK sends
+it. A flooding tenant holds the class and queues four large requests; a steady tenant's small
+request, sent after them, is served before the flood's queue drains (tokens fairness). A client
+that names a tenant in the trusted tenant header is not believed: Envoy strips the header.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import openai
+import pytest
+
+from extproc.explain import explain_remote
+from extproc.harness.launch import FleetStack, wait_until
+from tests.e2e.conftest import dump_logs
+from tests.support.redis_server import RedisServer
+
+# 10 decode tokens/s: a request of 20 output tokens holds the class ~2 s.
+SIM_ARGS = ("--time-scale", "1", "--prefill-tps", "1000000", "--decode-tps", "10")
+OUTPUT = 20
+FLOOD_TEXT = "an agent's long tool transcript line. " * 200  # ~2,000 tokens
+STEADY_TEXT = "a short question. " * 20  # ~100 tokens
+QUEUED_FLOODS = 4
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    with RedisServer() as redis_server:
+        running = FleetStack(
+            tmp_path_factory.mktemp("fair"),
+            clusters=1,
+            sim_args=SIM_ARGS,
+            processors=2,
+            sim_start_timeout_s=60.0,
+            fleet_overrides={
+                "classes": [
+                    {
+                        "name": "any",
+                        "budget": {"max_concurrent": 1},
+                        "wait": {"max_wait_s": 120, "max_queue": 16},
+                    }
+                ],
+                "redis": {"url": redis_server.url, "replicas": 2, "timeout_ms": 500},
+                "flow": {
+                    "tenant_header": "x-tenant",
+                    "tenant_fallback": "api_key",
+                    "fairness": "tokens",
+                    # A tenant that may start 1 token a minute: any request of it is refused.
+                    "tenants": {"blocked": {"tokens_per_minute": 1}},
+                    "redis_poll_ms": 1000,
+                },
+            },
+        )
+        with running:
+            yield running
+
+
+def metric(stack: FleetStack, name: str, **labels: str) -> float:
+    want = tuple(sorted(labels.items()))
+    total = 0.0
+    for i in range(len(stack.metrics_ports)):
+        for (n, lab), value in stack.processor_metrics(i).items():
+            if n == name and all(kv in lab for kv in want):
+                total += value
+    return total
+
+
+def polled(check: Callable[[], bool]) -> Callable[[], bool]:
+    def run() -> bool:
+        try:
+            return check()
+        except OSError:  # a busy replica's metrics endpoint did not answer in time
+            return False
+
+    return run
+
+
+def client_for(stack: FleetStack, api_key: str) -> openai.OpenAI:
+    return openai.OpenAI(api_key=api_key, base_url=f"{stack.url}/v1", max_retries=0, timeout=300)
+
+
+def test_steady_tenant_is_served_before_the_floods_queue_drains(stack: FleetStack) -> None:
+    def call(name: str, api_key: str, text: str) -> tuple[str, float]:
+        raw = client_for(stack, api_key).chat.completions.with_raw_response.create(
+            model="m",
+            messages=[{"role": "user", "content": f"{name}: {text}"}],
+            max_tokens=OUTPUT,
+            extra_headers={"x-session-id": name},
+        )
+        assert raw.status_code == 200
+        raw.parse()
+        return name, time.monotonic()
+
+    inflight = "fleet_budget_inflight_requests"
+    with ThreadPoolExecutor(2 + QUEUED_FLOODS) as pool:
+        calls = [pool.submit(call, "flood-0", "sk-flood", FLOOD_TEXT)]
+        wait_until(polled(lambda: metric(stack, inflight) >= 1), 60, "the flood holding it")
+        for i in range(1, 1 + QUEUED_FLOODS):
+            calls.append(pool.submit(call, f"flood-{i}", "sk-flood", FLOOD_TEXT))
+        wait_until(
+            polled(lambda: metric(stack, "fleet_flow_queue_depth") >= QUEUED_FLOODS),
+            60,
+            "the flood's requests queued",
+        )
+        calls.append(pool.submit(call, "steady", "sk-steady", STEADY_TEXT))
+        try:
+            done = [c.result(timeout=300) for c in calls]
+        except Exception:
+            print(dump_logs(stack))
+            raise
+    order = [name for name, _ in sorted(done, key=lambda x: x[1])]
+    # Served (one at a time) before the last of the flood's queued requests: under FIFO it
+    # would have been last; token fairness puts it right behind the request being served.
+    assert order.index("steady") < order.index(f"flood-{QUEUED_FLOODS}"), order
+    floods_after = [n for n in order[order.index("steady") :] if n.startswith("flood")]
+    assert len(floods_after) >= 2, order
+
+
+def test_a_tenant_header_sent_by_the_client_is_ignored(stack: FleetStack) -> None:
+    """``blocked`` may start 1 token a minute: were the client's x-tenant believed, this
+    request would get the tenant's 429. Envoy strips it (internal_only_headers), so the
+    request is its API key's tenant and is served."""
+    wait_until(
+        polled(lambda: metric(stack, "fleet_budget_inflight_requests") == 0),
+        120,
+        "the class free again",
+    )
+    raw = client_for(stack, "sk-spoof").chat.completions.with_raw_response.create(
+        model="m",
+        messages=[{"role": "user", "content": STEADY_TEXT}],
+        max_tokens=2,
+        extra_headers={"x-tenant": "blocked"},
+    )
+    assert raw.status_code == 200, dump_logs(stack)
+
+
+def test_explain_names_the_tenant_by_its_label_only(stack: FleetStack) -> None:
+    answer: dict[str, Any] = explain_remote(
+        f"http://127.0.0.1:{stack.metrics_ports[0]}",
+        "/v1/chat/completions",
+        {"authorization": "Bearer sk-secret-key-of-a-tenant"},
+        b'{"model": "m", "messages": [{"role": "user", "content": "hello"}]}',
+    )
+    tenant = answer["tenant"]
+    assert tenant["source"] == "api_key" and tenant["fairness"] == "tokens"
+    assert len(tenant["label"]) == 16 and "sk-secret" not in str(answer)
+    assert tenant["queue"]["queued"] == 0
