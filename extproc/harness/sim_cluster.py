@@ -58,6 +58,7 @@ from prometheus_client.exposition import generate_latest
 from extproc.harness import llamacpp_format
 from extproc.harness.class_concurrency import CLASS_HEADER, ClassConcurrency
 from extproc.harness.engine_formats import (
+    MODEL_NAME,
     ORCA_FORMAT_HEADER,
     SIM_ENGINES,
     EngineMetrics,
@@ -83,6 +84,7 @@ from extproc.harness.sim_responses import (
     response_object,
 )
 from extproc.harness.sim_responses import usage as responses_usage
+from extproc.harness.vllm_families import FinishedRequest
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +334,35 @@ def _llamacpp_timings(parsed: _Parsed, plan: Plan) -> dict[str, float | int]:
     )
 
 
+def _vllm_model_entry(name: str, created: int) -> dict[str, object]:
+    """One entry of vLLM's /v1/models (its ModelCard: the served name, its root, the context
+    length and one permission record)."""
+    permission = {
+        "id": f"modelperm-sim-{name}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": name,
+        "parent": None,
+        "max_model_len": 4096,
+        "permission": [permission],
+    }
+
+
 def _anthropic_usage(plan: Plan, output_tokens: int) -> dict[str, object]:
     return {
         "input_tokens": plan.uncached_tokens,
@@ -372,6 +403,8 @@ class SimCluster:
             self.registry,
             lambda: self.model.load(self._clock()),
             config.params.kv_capacity_tokens,
+            model_name=config.models[0] if config.models else MODEL_NAME,
+            block_tokens=config.params.block_tokens,
         )
         self.llamacpp = (
             LlamaCppMetrics(lambda: self.model.load(self._clock()))
@@ -470,7 +503,10 @@ class SimCluster:
         if self.llamacpp is not None:
             body = llamacpp_format.models_body(names[0], int(self._wall_clock()))
             return web.json_response(body, headers=self._base_headers())
-        data = [{"id": n, "object": "model", "owned_by": "sim"} for n in names]
+        if self.config.engine == "vllm":
+            data = [_vllm_model_entry(n, int(self._wall_clock())) for n in names]
+        else:
+            data = [{"id": n, "object": "model", "owned_by": "sim"} for n in names]
         return web.json_response({"object": "list", "data": data}, headers=self._base_headers())
 
     async def _get_fault(self, request: web.Request) -> web.Response:
@@ -623,7 +659,12 @@ class SimCluster:
         request_id = next(self._ids)
         if parsed.stream:
             return await self._stream(request, parsed, plan, request_id)
-        await self._sleep_until(plan.done_at)
+        try:
+            await self._sleep_until(plan.done_at)
+        except asyncio.CancelledError:
+            self._finished(parsed, plan, "abort")
+            raise
+        self._finished(parsed, plan, _finish_reason(parsed))
         body = self._full_body(parsed, plan, request_id)
         if self.llamacpp is not None and parsed.api in ("openai-chat", "openai-completions"):
             body["system_fingerprint"] = llamacpp_format.SYSTEM_FINGERPRINT
@@ -653,6 +694,21 @@ class SimCluster:
                 prompt_s,
                 predicted_s,
             )
+
+    def _finished(self, parsed: _Parsed, plan: Plan, reason: str) -> None:
+        scale = plan.time_scale
+        self.engine_metrics.finished(
+            FinishedRequest(
+                reason=reason,
+                prompt_tokens=parsed.prompt_tokens,
+                cached_tokens=plan.cached_tokens,
+                output_tokens=parsed.output_tokens,
+                max_tokens=parsed.requested_tokens,
+                queue_s=(plan.prefill_start - plan.arrival) / scale,
+                prefill_s=(plan.first_token_at - plan.prefill_start) / scale,
+                decode_s=(plan.done_at - plan.first_token_at) / scale,
+            )
+        )
 
     async def _sleep_until(self, instant: float) -> None:
         delay = instant - self._clock()
@@ -785,10 +841,15 @@ class SimCluster:
             await response.write(events.closing())
             await response.write_eof()
             self._store(parsed, _output_text(0, total))
+        except asyncio.CancelledError:
+            self._finished(parsed, plan, "abort")
+            raise
         except ConnectionResetError:
+            self._finished(parsed, plan, "abort")
             self.metrics.disconnects.inc()
             self.metrics.requests.labels(api=parsed.api, code="client_closed").inc()
             return response
+        self._finished(parsed, plan, _finish_reason(parsed))
         self.metrics.requests.labels(api=parsed.api, code="200").inc()
         return response
 
