@@ -100,6 +100,13 @@ def cross_check(cfg: FleetConfig) -> list[str]:
             port = int(endpoint.rpartition(":")[2])
             if not 0 < port <= 65535:
                 problems.append(f"clusters[{i}].endpoints[{j}]: port {port} is not in 1..65535")
+        watched: set[str] = set()
+        for j, watch in enumerate(cluster.gpus):
+            if watch.endpoint not in cluster.endpoints:
+                problems.append(f"clusters[{i}].gpus[{j}].endpoint: not one of its endpoints")
+            elif watch.endpoint in watched:
+                problems.append(f"clusters[{i}].gpus[{j}].endpoint: listed twice")
+            watched.add(watch.endpoint)
     seen_classes: dict[str, int] = {}
     for i, cls in enumerate(cfg.classes):
         if cls.name in seen_classes:

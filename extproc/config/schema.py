@@ -212,6 +212,19 @@ class ServedModelConfig(Strict):
     )
 
 
+class GpuWatchConfig(Strict):
+    """Where one engine's GPUs are watched."""
+
+    endpoint: Endpoint = Field(description="The engine, one of the cluster's endpoints.")
+    exporter: Endpoint = Field(description="Its node's DCGM exporter as host:port (often :9400).")
+    path: str = Field(default="/metrics", pattern=r"^/", description="The exporter's page.")
+    devices: list[str] = Field(
+        default=[],
+        description="The GPUs the engine runs on, as the exporter's gpu label (the index); "
+        "empty: every GPU on the page.",
+    )
+
+
 class ClusterConfig(Strict):
     """One inference cluster: a group of engines that share a name, a weight and models."""
 
@@ -244,6 +257,10 @@ class ClusterConfig(Strict):
         default="/metrics",
         pattern=r"^/",
         description="The engine's Prometheus page, scraped when engine_metrics.enabled.",
+    )
+    gpus: list[GpuWatchConfig] = Field(
+        default=[],
+        description="The DCGM exporters of the cluster's engines, read when gpu_health.enabled.",
     )
     role: Literal["both", "prefill", "decode"] = Field(
         default="both",
@@ -767,6 +784,49 @@ class EngineMetricsConfig(Strict):
     timeout_ms: int = Field(default=1000, gt=0, description="Timeout of one scrape.")
 
 
+class GpuHealthConfig(Strict):
+    """GPU health from NVIDIA's DCGM exporter, for the engines a cluster lists under ``gpus``:
+    an engine over a threshold makes its cluster pressured (no new sessions start there; the
+    sessions it holds stay), as at affinity.kv_pressure_threshold. Read by load-aware
+    affinity (affinity.enabled)."""
+
+    enabled: bool = Field(
+        default=False, description="Scrape the DCGM exporters the clusters list under gpus."
+    )
+    interval_ms: int = Field(
+        default=1000,
+        gt=0,
+        description="Scrape interval (DCGM exporter refreshes its fields every 30 s by default; "
+        "its -c flag sets that).",
+    )
+    max_age_ms: int = Field(
+        default=60000,
+        gt=0,
+        description="A verdict older than this is dropped (an exporter that stopped answering "
+        "does not keep a cluster pressured).",
+    )
+    timeout_ms: int = Field(default=1000, gt=0, description="Timeout of one scrape.")
+    memory_fraction: float = Field(
+        default=0.95,
+        gt=0,
+        le=1,
+        description="Framebuffer memory in use (FB_USED / (FB_USED + FB_FREE)) at or above which "
+        "an engine takes no new sessions: before an out-of-memory.",
+    )
+    temperature_c: float = Field(
+        default=85.0,
+        gt=0,
+        description="GPU temperature (DCGM_FI_DEV_GPU_TEMP, °C) at or above which an engine "
+        "takes no new sessions: before a thermal slowdown.",
+    )
+    slowdown: bool = Field(
+        default=True,
+        description="Also when DCGM_FI_DEV_CLOCKS_EVENT_REASONS (or the older "
+        "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS) has a thermal or hardware slowdown bit set (the "
+        "exporter prints it only when its counters file lists it).",
+    )
+
+
 class EnginesConfig(Strict):
     """How a session's requests spread over its cluster's endpoints. Each endpoint is an engine
     with its own KV cache, so spraying a session over them re-prefills it on each."""
@@ -916,6 +976,9 @@ class FleetConfig(Strict):
     flow: FlowConfig = Field(default=FlowConfig(), description="Flow control before a 429.")
     engines: EnginesConfig = Field(
         default=EnginesConfig(), description="Engine choice inside a cluster."
+    )
+    gpu_health: GpuHealthConfig = Field(
+        default=GpuHealthConfig(), description="GPU memory and temperature from DCGM."
     )
     models: list[ModelConfig] = Field(
         default=[], description="Optional per-model prices and budgets."

@@ -11,7 +11,9 @@ Cluster states, judged from the snapshot at ``now``:
 - *unhealthy*: the shell has evidence it fails (Envoy failed over from it, or no endpoint of it
   is ready);
 - *pressured*: its fresh load report says KV use >= ``kv_pressure_threshold`` (0.85): admitting a
-  new conversation there would evict the caches of the ones it already holds;
+  new conversation there would evict the caches of the ones it already holds; or one of its
+  engines' GPUs is over a ``gpu_health`` threshold (memory, temperature, a slowdown:
+  extproc.core.gpu_health), where a new conversation would risk an out-of-memory or run slow;
 - *critical*: KV use >= ``kv_migrate_threshold`` (0.97): the engine is evicting or preempting
   anyway, so the caches a session would stay for are already going;
 - *saturated*: more requests in flight than ``saturation_factor`` x the mean over the session's
@@ -163,6 +165,9 @@ class _Judge:
         return self.snapshot.get(name).kv_pressure(self.now, self.params.signal_max_age_s)
 
     def pressured(self, name: str) -> bool:
+        """KV use at the pressure threshold, or a GPU over a gpu_health threshold."""
+        if self.snapshot.get(name).gpu is not None:
+            return True
         kv = self._kv(name)
         return kv is not None and kv >= self.params.kv_pressure_threshold
 

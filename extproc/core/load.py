@@ -219,6 +219,9 @@ class ClusterLoad:
     # Requests this processor placed there recently: a count decayed with a half-life
     # (affinity.balance_half_life_s); 0 unless bounded-load placement is on.
     recent: float = 0.0
+    # Why its GPUs should take no new sessions (extproc.core.gpu_health), while fresh; None
+    # when they are fine or not watched.
+    gpu: str | None = None
 
     def fresh(self, now: float, max_age_s: float) -> bool:
         return self.reported_at is not None and now - self.reported_at <= max_age_s

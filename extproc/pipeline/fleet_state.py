@@ -93,6 +93,8 @@ class LoadTable:
         self._inflight: dict[str, int] = {}
         self._reports: dict[str, tuple[LoadReport, float]] = {}
         self._failing_until: dict[str, float] = {}
+        # cluster -> (why its GPUs take no new sessions, until when the verdict holds)
+        self._gpu: dict[str, tuple[str, float]] = {}
         # cluster -> (decayed count of placed requests, instant it was last brought up to date)
         self._recent: dict[str, tuple[float, float]] = {}
         # id(candidate names) -> their kept total (see share); the latest instant placed saw.
@@ -216,6 +218,18 @@ class LoadTable:
         if found is not None and found[0].source == "scrape":
             del self._reports[cluster]
 
+    def record_gpu(self, cluster: str, reason: str | None, until: float) -> None:
+        """The GPU verdict of a cluster's engines (extproc.pipeline.gpu_scraper), trusted until
+        ``until``; None: its GPUs are fine (or no longer watched)."""
+        if reason is None:
+            self._gpu.pop(cluster, None)
+        else:
+            self._gpu[cluster] = (reason, until)
+
+    def gpu_reason(self, cluster: str, now: float) -> str | None:
+        found = self._gpu.get(cluster)
+        return found[0] if found is not None and now < found[1] else None
+
     def mark_failing(self, cluster: str, until: float) -> None:
         self._failing_until[cluster] = max(until, self._failing_until.get(cluster, until))
 
@@ -229,9 +243,12 @@ class LoadTable:
         failing = self._failing_until.get(name)
         healthy = (failing is None or now >= failing) and (ready is None or name in ready)
         recent = 0.0 if half_life_s is None else self.recent(name, now, half_life_s)
+        gpu = self.gpu_reason(name, now) if self._gpu else None
         found = self._reports.get(name)
         if found is None:
-            return ClusterLoad(inflight=self._inflight.get(name, 0), healthy=healthy, recent=recent)
+            return ClusterLoad(
+                inflight=self._inflight.get(name, 0), healthy=healthy, recent=recent, gpu=gpu
+            )
         report, at = found
         return ClusterLoad(
             inflight=self._inflight.get(name, 0),
@@ -241,6 +258,7 @@ class LoadTable:
             reported_at=at,
             healthy=healthy,
             recent=recent,
+            gpu=gpu,
         )
 
     def snapshot(
@@ -586,6 +604,11 @@ class FleetState:
             self._child(self._kv_gauges, self.metrics.cluster_kv, cluster).set(report.kv)
         if report.queue is not None:
             self._child(self._queue_gauges, self.metrics.cluster_queue, cluster).set(report.queue)
+
+    def gpu_checked(self, cluster: str, reason: str | None, until: float) -> None:
+        """The GPU scraper's verdict on a cluster (extproc.pipeline.gpu_scraper), on the
+        pipeline's clock."""
+        self.load.record_gpu(cluster, reason, until)
 
     def scraped(self, cluster: str, report: LoadReport | None, at: float) -> None:
         """The engine scraper's view of a cluster (extproc.pipeline.engine_scraper); None when

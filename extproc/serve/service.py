@@ -50,6 +50,7 @@ from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.engine_scraper import EngineScraper, ScrapeMetrics, plan_of
 from extproc.pipeline.explain import explain_outcome, request_headers
 from extproc.pipeline.fleet_state import FleetState, RedisSessions
+from extproc.pipeline.gpu_scraper import GpuMetrics, GpuScraper, gpu_plan_of
 from extproc.pipeline.model_discovery import ModelDiscovery
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
@@ -242,8 +243,16 @@ class Service:
     async def explain(self, path: str, headers: dict[str, str], body: bytes) -> dict[str, object]:
         """The decision this processor would take for the request now, on its live state
         (affinity memory, load, endpoint health), changing nothing; plus the budget usage."""
-        outcome = await self.pipeline.preview(request_headers(path, headers), body, self.clock())
+        now = self.clock()
+        outcome = await self.pipeline.preview(request_headers(path, headers), body, now)
         result = explain_outcome(self.holder.current, outcome)
+        order = result.get("preference_order")
+        if isinstance(order, list):
+            # Candidates that take no new sessions because of their GPUs (gpu_health).
+            load = self.pipeline.fleet.load
+            hot = {c: r for c in order if (r := load.gpu_reason(str(c), now)) is not None}
+            if hot:
+                result["gpu_health"] = hot
         if result.get("outcome") == "route":
             runtime = self.holder.current
             cls = runtime.policy.class_named(str(result["class"]))
@@ -438,6 +447,13 @@ class Service:
             self.clock,
         )
         watchers.append(asyncio.create_task(scraper.run()))
+        gpus = GpuScraper(
+            lambda: gpu_plan_of(self.holder.current.config),
+            self.pipeline.fleet.gpu_checked,
+            GpuMetrics(self.registry),
+            self.clock,
+        )
+        watchers.append(asyncio.create_task(gpus.run()))
         redis_cfg = self.holder.current.redis
         chain_redis = None
         if redis_cfg.url:
