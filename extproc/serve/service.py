@@ -40,6 +40,7 @@ from extproc.config.load import runtime_from_bytes
 from extproc.config.runtime import Discovered, Overrides, with_discovered_models, with_sketch
 from extproc.core.admission import request_tokens
 from extproc.core.chains import ChainSketch
+from extproc.ledger.census import ReplicaCensus
 from extproc.ledger.gate import AdmissionGate, build_gate, workers_problem
 from extproc.logs import setup_logging
 from extproc.loop_monitor import LoopMonitor
@@ -56,7 +57,7 @@ from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import ENVOY_RESET_LINGER_S, FleetProcessor
 from extproc.protocol.xds import ClusterDiscovery, EndpointDiscovery
-from extproc.redis_client import bounded_client
+from extproc.redis_client import any_client, bounded_client
 from extproc.redis_health import RedisHealth
 from extproc.render.envoy_dynamic import (
     pool_endpoints,
@@ -157,6 +158,8 @@ class Service:
             self.eds = EndpointDiscovery(self.registry)
             self.eds.publish(runtime.version, pool_endpoints(runtime))
             self.xds.publish(runtime.version, dynamic_clusters(runtime))
+        # Replicas announce themselves in Redis: a wrong redis.replicas is reported.
+        self.census: ReplicaCensus | None = None
         self.draining = False
         self.grpc_port = 0
         self.metrics_port = 0
@@ -237,7 +240,14 @@ class Service:
             "draining": self.draining,
             # Not a reason to be unready, but an operator must see it (e.g. an eviction policy
             # that can drop budget ledger keys).
-            "warnings": list(self.gate.warnings),
+            "warnings": [*self.gate.warnings, *(self.census.warnings if self.census else [])],
+            # The processors that announce themselves in Redis against redis.replicas
+            # (ledger/census.py); live is None until the first announcement answered.
+            "replicas": (
+                {"configured": self.census.configured, "live": self.census.live}
+                if self.census
+                else None
+            ),
         }
 
     async def explain(self, path: str, headers: dict[str, str], body: bytes) -> dict[str, object]:
@@ -379,6 +389,9 @@ class Service:
         """Keep readiness honest about the shared ledger without waiting for traffic."""
         while not self._stop.is_set():
             await self.gate.check_redis()
+            if self.census is not None and not self.draining:
+                self.census.configure(self.holder.current.redis.replicas)
+                await self.census.announce(self.clock())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.opts.watch_interval_s)
 
@@ -457,6 +470,12 @@ class Service:
         redis_cfg = self.holder.current.redis
         chain_redis = None
         if redis_cfg.url:
+            self.census = ReplicaCensus(
+                any_client(redis_cfg.url, redis_cfg.timeout_s, 2),
+                redis_cfg.key_prefix,
+                redis_cfg.replicas,
+            )
+            await self.census.announce(self.clock())
             watchers.append(asyncio.create_task(self._watch_redis()))
             chain_redis = bounded_client(redis_cfg.url, redis_cfg.timeout_s, 2)
             sync = ChainSync(chain_redis, redis_cfg.key_prefix, self.chains)
@@ -476,6 +495,8 @@ class Service:
         print(f"READY grpc={self.grpc_port} metrics={self.metrics_port}", flush=True)
         await self._stop.wait()
         self.draining = True
+        if self.census is not None:
+            await self.census.withdraw()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         times = drain_times(self.holder.current.config, self.opts.grace_s, self.opts.drain_delay_s)
@@ -488,6 +509,8 @@ class Service:
         await self.gate.close()
         if chain_redis is not None:
             await chain_redis.aclose()
+        if self.census is not None:
+            await self.census.aclose()
         await self.pipeline.aclose()
         if self.endpoint_health is not None:
             await self.endpoint_health.close()

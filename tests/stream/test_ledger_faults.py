@@ -66,6 +66,10 @@ class Row:
     leaked_requests: int
     leaked_tokens: int
     recover_s: float
+    # Redis Cluster only: the cluster's own failover (kill to the replica answering as a
+    # primary), and the recovery after it (promotion to the first shared admission).
+    failover_s: float | None = None
+    after_failover_s: float | None = None
 
 
 @dataclass
@@ -110,15 +114,34 @@ async def kill_restart(server: RedisServer) -> None:
 SESSION = "fault-matrix"
 
 
-async def kill_cluster_primary(cluster: RedisClusterServers) -> None:
+class KillClusterPrimary:
     """SIGKILL the Redis Cluster primary serving the compartment under traffic; its replica
-    takes over by itself (cluster-node-timeout 1 s), so the fault ends at the kill."""
-    rt = make_runtime(cluster.url, budget={"max_concurrent": BUDGET})
-    name = rt.policy.route(request(rt, SESSION)).placement.primary
-    victim = await asyncio.to_thread(
-        cluster.primary_for, compartment_keys("fleet", name, "short")[0]
-    )
-    cluster.node(victim).kill()
+    takes over by itself (cluster-node-timeout 1 s), so the fault ends at the kill.
+    ``promoted_ns`` is when the replica first answered as a primary (polled every 10 ms), so
+    the client's own recovery can be told apart from the cluster's failover."""
+
+    def __init__(self) -> None:
+        self.promoted_ns: int | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    async def __call__(self, cluster: RedisClusterServers) -> None:
+        rt = make_runtime(cluster.url, budget={"max_concurrent": BUDGET})
+        name = rt.policy.route(request(rt, SESSION)).placement.primary
+        victim = await asyncio.to_thread(
+            cluster.primary_for, compartment_keys("fleet", name, "short")[0]
+        )
+        (replica,) = await asyncio.to_thread(cluster.replicas_of, victim)
+        cluster.node(victim).kill()
+        self._watch = asyncio.create_task(self._wait_promoted(cluster, replica))
+
+    async def _wait_promoted(self, cluster: RedisClusterServers, replica: int) -> None:
+        for _ in range(6000):  # 60 s at most
+            if await asyncio.to_thread(cluster.is_primary, replica):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            return
+        self.promoted_ns = time.monotonic_ns()
 
 
 CLUSTER_FAULT = "redis cluster primary killed (its replica promoted)"
@@ -219,7 +242,12 @@ async def run_fault(
     rng = random.Random(seed)
     stop = asyncio.Event()
     held = Holding()
-    stats = {"requests": 0, "lost": 0, "last_redis_admit_ns": 0}
+    stats = {
+        "requests": 0,
+        "lost": 0,
+        "last_redis_admit_ns": 0,
+        "first_redis_admit_after_promotion_ns": 0,
+    }
     tasks = [
         asyncio.create_task(_client(gates, random.Random(rng.random()), stop, held, stats, rt))
         for _ in range(clients)
@@ -231,14 +259,25 @@ async def run_fault(
     recovered = None
     # Recovered: the first admission through the shared budget after the fault ended.
     while time.monotonic() - ended < seconds:
-        if recovered is None and stats["last_redis_admit_ns"] > ended_ns:
-            recovered = (stats["last_redis_admit_ns"] - ended_ns) / 1e9
+        last = stats["last_redis_admit_ns"]
+        if recovered is None and last > ended_ns:
+            recovered = (last - ended_ns) / 1e9
+        promoted_ns = getattr(fault, "promoted_ns", None)
+        first = stats["first_redis_admit_after_promotion_ns"]
+        if promoted_ns is not None and not first and last > promoted_ns:
+            stats["first_redis_admit_after_promotion_ns"] = last
         await asyncio.sleep(0.02)
     stop.set()
     await asyncio.gather(*tasks)
     leaked_requests, leaked_tokens = await settle(server, gates, registries, cluster)
     for g in gates:
         await g.close()
+    failover_s = after_failover_s = None
+    promoted_ns = getattr(fault, "promoted_ns", None)
+    if promoted_ns is not None:
+        failover_s = round((promoted_ns - ended_ns) / 1e9, 2)
+        first = stats["first_redis_admit_after_promotion_ns"]
+        after_failover_s = round((first - promoted_ns) / 1e9, 2) if first else float("inf")
     return Row(
         name,
         stats["requests"],
@@ -248,6 +287,8 @@ async def run_fault(
         leaked_requests,
         leaked_tokens,
         round(recovered if recovered is not None else float("inf"), 2),
+        failover_s,
+        after_failover_s,
     )
 
 
@@ -323,7 +364,7 @@ async def test_budget_holds_through_a_redis_cluster_primary_kill() -> None:
     then go back to the shared budget; the same bound holds and nothing leaks."""
     with RedisClusterServers() as cluster:
         row = await run_fault(
-            cluster, CLUSTER_FAULT, kill_cluster_primary, clients=24, seconds=10.0
+            cluster, CLUSTER_FAULT, KillClusterPrimary(), clients=24, seconds=10.0
         )
     assert row.requests > 50
     assert row.lost == 0
@@ -332,6 +373,9 @@ async def test_budget_holds_through_a_redis_cluster_primary_kill() -> None:
     # Promotion takes about 2-3 s with cluster-node-timeout 1 s; at load ~30 the first shared
     # admission came 5-6 s after the kill (the 50 ms timeout fails most cluster calls there).
     assert row.recover_s < 10.0, row
+    # The replica was seen promoted, and admissions went back to Redis after it.
+    assert row.failover_s is not None and row.after_failover_s != float("inf"), row
+    print(f"\nfailover {row.failover_s} s, shared admissions again {row.after_failover_s} s later")
 
 
 async def test_a_sigkilled_replica_gives_its_budget_back_within_the_ttl(
@@ -421,9 +465,12 @@ def _markdown(rows: list[Row]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        recovered = f"{r.recover_s}"
+        if r.failover_s is not None:
+            recovered += f" (failover {r.failover_s}, then {r.after_failover_s})"
         out.append(
             f"| {r.fault} | {r.requests} | {r.lost} | {r.max_held} | {r.max_over} | "
-            f"{r.leaked_requests}/{r.leaked_tokens} | {r.recover_s} |"
+            f"{r.leaked_requests}/{r.leaked_tokens} | {recovered} |"
         )
     return "\n".join(out)
 
@@ -435,7 +482,7 @@ async def _full() -> list[Row]:
             rows.append(await run_fault(srv, name, fault, clients=64, seconds=6.0))
     with RedisClusterServers() as cluster:
         rows.append(
-            await run_fault(cluster, CLUSTER_FAULT, kill_cluster_primary, clients=64, seconds=15.0)
+            await run_fault(cluster, CLUSTER_FAULT, KillClusterPrimary(), clients=64, seconds=15.0)
         )
     with RedisServer() as srv:
         rows.append(await run_replica_sigkill(srv))
@@ -444,8 +491,16 @@ async def _full() -> list[Row]:
     return rows
 
 
+async def _cluster_only() -> list[Row]:
+    with RedisClusterServers() as cluster:
+        return [
+            await run_fault(cluster, CLUSTER_FAULT, KillClusterPrimary(), clients=64, seconds=15.0)
+        ]
+
+
 if __name__ == "__main__":
-    result = asyncio.run(_full())
+    # `... test_ledger_faults cluster`: the Redis Cluster row alone.
+    result = asyncio.run(_cluster_only() if sys.argv[1:] == ["cluster"] else _full())
     print(_markdown(result))
     print(json.dumps([asdict(r) for r in result]))
 

@@ -322,6 +322,19 @@ class RedisClusterServers(_Started):
             ports.append(int(fields[1].split("@", 1)[0].rsplit(":", 1)[1]))
         return ports
 
+    def replicas_of(self, primary: int) -> list[int]:
+        """Ports of the replicas that follow the primary on port ``primary``."""
+        lines = [line.split() for line in command(primary, "CLUSTER", "NODES").splitlines()]
+        ids = {int(f[1].split("@", 1)[0].rsplit(":", 1)[1]): f[0] for f in lines if len(f) >= 8}
+        return [
+            int(f[1].split("@", 1)[0].rsplit(":", 1)[1])
+            for f in lines
+            if len(f) >= 8 and "slave" in f[2] and f[3] == ids[primary]
+        ]
+
+    def is_primary(self, port: int) -> bool:
+        return "role:master" in command(port, "INFO", "replication", timeout=0.5)
+
     def primary_for(self, key: str) -> int:
         """Port of the primary serving ``key``'s slot."""
         slot = int(command(self.seed_port, "CLUSTER", "KEYSLOT", key).strip())
