@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import openai
 import pytest
@@ -107,3 +107,28 @@ def engine_models(fleet: RealFleet, name: str) -> bytes:
     status, body = http_get(fleet.engine(name).port, "/v1/models", timeout=5)
     assert status == 200
     return body
+
+
+T = TypeVar("T")
+
+
+def predicted(fleet: RealFleet) -> dict[str, float]:
+    """llamacpp:tokens_predicted_total of every live engine, by stack name."""
+    out = {}
+    for cluster in fleet.clusters:
+        for name in fleet.names(cluster):
+            engine = fleet.engine(name)
+            if engine.alive:
+                out[name] = metric_value(engine.metrics_text(), "llamacpp:tokens_predicted_total")
+    return out
+
+
+def served(fleet: RealFleet, call: Callable[[], T]) -> tuple[T, str]:
+    """Run one request and name the engine that generated it, from the engines' own token
+    counters (sequential traffic only): exactly one engine's count must have moved."""
+    before = predicted(fleet)
+    result = call()
+    after = predicted(fleet)
+    moved = [n for n, v in after.items() if v != before.get(n, 0.0)]
+    assert len(moved) == 1, (before, after)
+    return result, moved[0]

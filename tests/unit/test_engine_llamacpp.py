@@ -100,3 +100,9 @@ def _line(page: str, name: str) -> str:
         if line.startswith(name + " "):
             return line.split()[1]
     raise AssertionError(name)
+
+
+def test_model_discovery_reads_the_real_servers_model_list() -> None:
+    from extproc.pipeline.model_discovery import parse_model_list
+
+    assert parse_model_list(fixture("models.json").encode()) == frozenset({("tiny", None)})
