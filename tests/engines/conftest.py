@@ -7,6 +7,10 @@ tiny random-weight model is written once into ``.engines/cache`` (gitignored) an
 
 from __future__ import annotations
 
+import http.client
+import json
+import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -112,23 +116,79 @@ def engine_models(fleet: RealFleet, name: str) -> bytes:
 T = TypeVar("T")
 
 
-def predicted(fleet: RealFleet) -> dict[str, float]:
-    """llamacpp:tokens_predicted_total of every live engine, by stack name."""
+def counters(fleet: RealFleet, name: str) -> dict[str, float]:
+    """One llama.cpp counter of every live engine, by stack name."""
     out = {}
     for cluster in fleet.clusters:
-        for name in fleet.names(cluster):
-            engine = fleet.engine(name)
+        for engine_name in fleet.names(cluster):
+            engine = fleet.engine(engine_name)
             if engine.alive:
-                out[name] = metric_value(engine.metrics_text(), "llamacpp:tokens_predicted_total")
+                out[engine_name] = metric_value(engine.metrics_text(), name)
     return out
 
 
+def prompts_seen(fleet: RealFleet) -> dict[str, float]:
+    """Prompt tokens every live engine took in (evaluated + reused): moves on the engine that
+    starts a request, and only there."""
+    evaluated = counters(fleet, "llamacpp:prompt_tokens_total")
+    cached = counters(fleet, "llamacpp:prompt_tokens_cached_total")
+    return {n: evaluated[n] + cached.get(n, 0.0) for n in evaluated}
+
+
 def served(fleet: RealFleet, call: Callable[[], T]) -> tuple[T, str]:
-    """Run one request and name the engine that generated it, from the engines' own token
+    """Run one request and name the engine that took it, from the engines' own prompt-token
     counters (sequential traffic only): exactly one engine's count must have moved."""
-    before = predicted(fleet)
+    before = prompts_seen(fleet)
     result = call()
-    after = predicted(fleet)
+    after = prompts_seen(fleet)
     moved = [n for n, v in after.items() if v != before.get(n, 0.0)]
     assert len(moved) == 1, (before, after)
     return result, moved[0]
+
+
+class StreamHog:
+    """Long streamed chat requests sent straight to one engine (not through Envoy), each read
+    by its own thread until ``close``, which drops the connections (the engine cancels them)."""
+
+    def __init__(self, port: int, count: int, max_tokens: int, model: str = TINY) -> None:
+        self._stop = threading.Event()
+        self._conns: list[http.client.HTTPConnection] = []
+        self.chunks = [0] * count
+        body = json.dumps(
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": "Tell a very long story."}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        )
+        for _ in range(count):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+            conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+            self._conns.append(conn)
+        self._threads = [
+            threading.Thread(target=self._read, args=(i, c), daemon=True)
+            for i, c in enumerate(self._conns)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self, index: int, conn: http.client.HTTPConnection) -> None:
+        try:
+            response = conn.getresponse()
+            while not self._stop.is_set():
+                if not response.readline():
+                    return
+                self.chunks[index] += 1
+        except OSError:
+            return  # closed by close()
+
+    def close(self) -> None:
+        self._stop.set()
+        for conn in self._conns:
+            if conn.sock is not None:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        for thread in self._threads:
+            thread.join(30)
