@@ -88,9 +88,24 @@ STATUS = ":status"
 # The status llm-d's routing sidecar answered when the prefiller could not be reached (Go's
 # reverse proxy), before it fell back to decode-only (llm-d-inference-scheduler PR #652) ...
 PREFILL_FAILED_STATUS = "502"
+# ... and the status of an SGLang decode server whose prefill half is gone (it cannot join
+# the bootstrap room, so it aborts the request before generating; 500 in the simulated
+# engine, not verified against SGLang). Such a request cannot be retried on another
+# prefiller: the bootstrap fields are in the body Envoy resends unchanged on a retry, and the
+# mirror to the prefiller is decided once per request. So the first such answer marks the
+# prefiller down, and the requests decided after it are paired elsewhere ...
+SGLANG_PREFILL_FAILED_STATUS = "500"
 # ... and how long such a prefiller is skipped: longer than a prober round (1 s) plus its
 # timeout, so the prober's view takes over before the mark expires.
 PREFILL_DOWN_S = 5.0
+
+
+def _prefill_failed(runtime: Runtime, status: str | None) -> bool:
+    """Whether a decode answer with ``status`` says its prefill half could not be reached."""
+    if status == PREFILL_FAILED_STATUS:
+        return True
+    pd = runtime.pd
+    return pd is not None and pd.protocol == "sglang" and status == SGLANG_PREFILL_FAILED_STATUS
 
 
 class _Both:
@@ -1096,10 +1111,11 @@ class Pipeline:
         response body should stream through usage inspection (an SSE response).
         """
         runtime = self._runtime.current
-        if hold.prefill_endpoint is not None and found.get(STATUS) == PREFILL_FAILED_STATUS:
+        if hold.prefill_endpoint is not None and _prefill_failed(runtime, found.get(STATUS)):
             # llm-d's sidecar answered 502 when it could not reach the prefiller (newer ones
-            # fall back to decode-only and answer normally): skip it until the prober has had
-            # a round to confirm (a prober round alone leaves a second of 502s).
+            # fall back to decode-only and answer normally), an SGLang decode server 500: skip
+            # the prefiller until the prober has had a round to confirm (a prober round alone
+            # leaves a second of failures).
             self._prefill_down[hold.prefill_endpoint] = now
         served_header = runtime.served_by_header
         served_by = envoy_served

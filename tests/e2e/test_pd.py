@@ -345,17 +345,19 @@ def test_a_dead_sglang_prefiller_fails_only_what_was_sent_before_detection(
     """SGLang has no decode-only fallback: a decode server whose prefill half is gone fails
     the request (the simulated one answers 500 when the prefill server's bootstrap server
     cannot be reached or drops the room; SGLang's own router passes the decode server's error
-    to the client too, sgl-router pd_router.rs). What the processor owes: once its prober has
-    seen the prefiller down, no request is paired with it, so nothing sent after the
-    detection window fails."""
+    to the client too, sgl-router pd_router.rs). Such a request cannot be retried on another
+    prefiller: its bootstrap fields are in the body, which Envoy resends unchanged, and the
+    mirror is chosen once per request. What the processor owes: the first such failure marks
+    the prefiller down (as its prober would a round later), so only requests paired with it
+    before that answer came back fail: here one client drives c1's island, so at most one."""
     killed_at, records = kill_prefiller_under_load(sglang_fleet, make_client)
     before = [(t, s, p) for t, s, p in records if t <= killed_at + DETECTION_S]
     after = [(t, s, p) for t, s, p in records if t > killed_at + DETECTION_S]
     failed = [(t - killed_at, s) for t, s, _ in records if s != 200]
-    # Failures are the protocol's limit: requests paired with c3 before detection (in flight
-    # at the kill, or sent in the prober's window). Only 500s: nothing else breaks.
+    # Failures are the protocol's limit: the request in flight on c3 at the kill, or the
+    # first one paired with it after. Only 500s: nothing else breaks.
     assert all(s == 500 for _, s in failed), failed
-    assert all(t <= DETECTION_S for t, _ in failed), failed
+    assert len(failed) <= 1, failed
     assert after and {(s, p) for _, s, p in after} == {(200, "c4")}, collections.Counter(
         (s, p) for _, s, p in after
     )

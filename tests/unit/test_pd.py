@@ -385,3 +385,26 @@ def test_envoy_sends_nothing_to_prefill_clusters_by_itself() -> None:
     assert ports == {8001, 8002}  # the decode clusters only, for fail-open
     pairs = {n for n in clusters if "__" in n}
     assert pairs == {"d1__d2", "d2__d1"}
+
+
+@pytest.mark.parametrize(("protocol", "marks"), [("sglang", True), ("llm-d", False)])
+def test_an_sglang_decode_500_skips_that_prefiller(protocol: str, marks: bool) -> None:
+    cfg = pd_config()
+    cfg.setdefault("disaggregation", {})["protocol"] = protocol
+    pipe = pipeline_of(cfg)
+    text = "word " * 2000
+
+    async def run() -> None:
+        first = await pipe.decide(*chat(text, "s1"), 0.0)
+        assert isinstance(first, Routed) and first.prefill is not None
+        dead = first.prefill.address
+        # SGLang's decode half could not join the prefill's bootstrap room; with llm-d's
+        # protocol a 500 is the engine's own answer and says nothing about the prefiller.
+        pipe.observe_response(first.hold, {":status": "500"}, 1.0)
+        await pipe.release(first.hold)
+        again = await pipe.decide(*chat(text, "s1"), 2.0)
+        assert isinstance(again, Routed) and again.prefill is not None
+        assert (again.prefill.address != dead) is marks
+        await pipe.release(again.hold)
+
+    asyncio.run(run())
