@@ -24,7 +24,7 @@ COPY README.md ./
 COPY extproc ./extproc
 RUN pip install -c constraints.txt --no-deps . \
  && pip check \
- && python -c "import extproc.cli, extproc.healthcheck"
+ && python -c "import extproc.cli, extproc.serve.healthcheck"
 
 
 FROM ${PYTHON_IMAGE} AS runtime
@@ -53,7 +53,7 @@ EXPOSE 50051 9464 8000
 # The gRPC health service, not a TCP connect: it turns NOT_SERVING as soon as shutdown starts.
 # Services that run another role (sim-cluster, replay) override or disable this in compose.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-m", "extproc.healthcheck", "--port", "50051"]
+    CMD ["python", "-m", "extproc.serve.healthcheck", "--port", "50051"]
 
 ENTRYPOINT ["extproc"]
 CMD ["serve", "--config", "/etc/fleet/fleet.yaml", "--address", "0.0.0.0"]

@@ -21,7 +21,7 @@ VERBS: dict[str, tuple[str, str]] = {
         "fleet.yaml: print its JSON Schema, check a file, render the reference",
     ),
     "explain": ("extproc.explain", "show the decision for a session id or a request body"),
-    "demo": ("extproc.demo", "run Envoy + processor + simulated clusters and report"),
+    "demo": ("extproc.harness.demo", "run Envoy + processor + simulated clusters and report"),
     "sim-cluster": ("extproc.harness.sim_cluster_cmd", "run a simulated inference cluster"),
     "replay": ("extproc.harness.replay_cmd", "replay a trace or synthetic workload"),
     "bench": ("extproc.bench.cmd", "benchmarks: overhead, routing, admission"),

@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config import ConfigError, Runtime, load_runtime
 from extproc.ledger.gate import build_gate
-from extproc.metrics import Metrics
 from extproc.pipeline.explain import explain_outcome, request_headers
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 

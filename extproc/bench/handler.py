@@ -106,7 +106,7 @@ def _processor(read_body: str) -> Any:
 
     from extproc.config import compile_runtime, parse_config
     from extproc.ledger.gate import build_gate
-    from extproc.metrics import Metrics
+    from extproc.pipeline.metrics import Metrics
     from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
     from extproc.protocol.server import FleetProcessor
 

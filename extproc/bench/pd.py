@@ -53,8 +53,8 @@ from extproc.harness.sim_pd import (
     PdSimConfig,
 )
 from extproc.ledger.gate import build_gate
-from extproc.metrics import Metrics
 from extproc.names import PREFILLER_HEADER
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 

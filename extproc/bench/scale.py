@@ -47,8 +47,8 @@ from extproc.config.runtime import Runtime, compile_runtime
 from extproc.core.placement import VECTOR_MIN_CLUSTERS, Rendezvous
 from extproc.harness.launch import LOOPBACK, Proc, envoy_binary, free_port, http_get
 from extproc.ledger.gate import build_gate
-from extproc.metrics import Metrics
 from extproc.pipeline.endpoint_health import EndpointHealth
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.reliability.probes import cpu_seconds, rss_bytes

@@ -33,7 +33,7 @@ from extproc.bench.admission import _redis_server
 from extproc.config.load import parse_config
 from extproc.config.runtime import Overrides, compile_runtime
 from extproc.ledger.gate import AdmissionGate, build_gate
-from extproc.metrics import Metrics
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 

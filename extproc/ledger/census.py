@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import secrets
 
-from extproc.redis_client import UNAVAILABLE, AnyRedis
+from extproc.ledger.redis_client import UNAVAILABLE, AnyRedis
 
 log = logging.getLogger("extproc.ledger")
 

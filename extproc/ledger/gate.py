@@ -64,8 +64,8 @@ from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.metrics import LedgerMetrics
 from extproc.ledger.redis import TICKET_LEASE_S, Joined, RedisLedger, lease_ttl_tick
+from extproc.ledger.redis_health import RedisHealth
 from extproc.ledger.waiters import Queued, Waiters, listen_for_releases
-from extproc.redis_health import RedisHealth
 
 log = logging.getLogger("extproc.ledger")
 

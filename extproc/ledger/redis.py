@@ -38,7 +38,7 @@ replica's. All keys of a compartment expire together after an idle period longer
 lease TTL, so compartments of removed classes or clusters clean themselves up. Every script
 call touches the keys of one compartment only, all in the hash slot of ``{cluster:class}``, so
 the same layout runs on a single Redis, a primary with replicas, or Redis Cluster
-(``redis+cluster://`` URLs, see extproc.redis_client).
+(``redis+cluster://`` URLs, see extproc.ledger.redis_client).
 
 Every call is bounded by ``redis.timeout_ms`` and redis-py's own retries are disabled: a
 retried reserve could wait several timeouts, and the policy for an unreachable Redis belongs
@@ -71,7 +71,7 @@ from extproc.core.admission import (
 )
 from extproc.core.fleet import Budget
 from extproc.ledger.base import LedgerUnavailable
-from extproc.redis_client import AnyRedis, any_client
+from extproc.ledger.redis_client import AnyRedis, any_client
 
 log = logging.getLogger("extproc.ledger")
 
@@ -179,7 +179,7 @@ class RedisLedger:
         replica_id: str | None = None,
         max_connections: int = 16,
     ) -> RedisLedger:
-        """A ledger with its own bounded connection pool (see extproc.redis_client)."""
+        """A ledger with its own bounded connection pool (see extproc.ledger.redis_client)."""
         client = any_client(url, timeout_s, max_connections)
         ledger = cls(
             client,

@@ -47,7 +47,7 @@ from extproc.core.admission import (
 from extproc.core.flow import FairCharge, FairClaim, FairQueue, WaitPolicy
 from extproc.ledger.metrics import LedgerMetrics
 from extproc.ledger.redis import TICKET_LEASE_S
-from extproc.redis_client import any_client, is_cluster_url
+from extproc.ledger.redis_client import any_client, is_cluster_url
 
 if TYPE_CHECKING:
     from extproc.ledger.gate import AdmissionGate

@@ -22,7 +22,7 @@ Kept out of core/ because it is state over time and I/O:
   written. Calls are bounded by ``redis.timeout_ms``; on failure the replica's own memory
   answers (fail-open: a lost override costs at most one cache miss, never a request) and Redis
   is left alone for the probe interval of the Redis health tracker it shares with the ledger
-  (extproc/redis_health.py). Memory is always written too, so it is warm then.
+  (extproc/ledger/redis_health.py). Memory is always written too, so it is warm then.
 - :class:`LinkMemory` and ``P:resp:<link name>`` (PX = ``session.response_link_ttl_s``): Responses
   API response id -> session links (extproc.core.response_links), learnt from responses and
   followed by turns that name a ``previous_response_id``; same fail-open as the sessions.
@@ -44,9 +44,9 @@ from extproc.core.keys import KeySource, SessionKey
 from extproc.core.load import ClusterLoad, FleetSnapshot, LoadReport
 from extproc.core.placement import RecentCounts, Rendezvous
 from extproc.core.response_links import Link, link_name, make_link, read_link
-from extproc.metrics import Metrics
-from extproc.redis_client import UNAVAILABLE, AnyRedis, any_client
-from extproc.redis_health import PROBE_INTERVAL_S, RedisHealth
+from extproc.ledger.redis_client import UNAVAILABLE, AnyRedis, any_client
+from extproc.ledger.redis_health import PROBE_INTERVAL_S, RedisHealth
+from extproc.pipeline.metrics import Metrics
 
 log = logging.getLogger("extproc.affinity")
 

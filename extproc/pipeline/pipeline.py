@@ -67,10 +67,10 @@ from extproc.core.usage import SseUsageScanner, Usage, response_id_from_body, us
 from extproc.ledger.gate import AdmissionGate
 from extproc.ledger.tenant_limits import TenantLimits, TenantSlot
 from extproc.ledger.waiters import Queued
-from extproc.metrics import Metrics
 from extproc.names import prefill_mirror_cluster
 from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.fleet_state import FleetState
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import (
     PASSTHROUGH,
     Hold,

@@ -29,8 +29,8 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config import Runtime, compile_runtime, parse_config
 from extproc.ledger.gate import AdmissionGate, build_gate
-from extproc.metrics import Metrics
 from extproc.names import BUFFER_HEADROOM
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import FleetProcessor
 from extproc.reliability.fuzz_cases import Case, judge_answer

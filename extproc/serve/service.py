@@ -42,9 +42,8 @@ from extproc.core.admission import request_tokens
 from extproc.core.chains import ChainSketch
 from extproc.ledger.census import ReplicaCensus
 from extproc.ledger.gate import AdmissionGate, build_gate, workers_problem
-from extproc.logs import setup_logging
-from extproc.loop_monitor import LoopMonitor
-from extproc.metrics import Metrics
+from extproc.ledger.redis_client import any_client, bounded_client
+from extproc.ledger.redis_health import RedisHealth
 from extproc.names import BUFFER_HEADROOM
 from extproc.pipeline.chain_sync import ChainSync
 from extproc.pipeline.endpoint_health import EndpointHealth
@@ -52,13 +51,12 @@ from extproc.pipeline.engine_scraper import EngineScraper, ScrapeMetrics, plan_o
 from extproc.pipeline.explain import explain_outcome, request_headers
 from extproc.pipeline.fleet_state import FleetState, RedisSessions
 from extproc.pipeline.gpu_scraper import GpuMetrics, GpuScraper, gpu_plan_of
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.model_discovery import ModelDiscovery
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import ENVOY_RESET_LINGER_S, FleetProcessor
 from extproc.protocol.xds import ClusterDiscovery, EndpointDiscovery
-from extproc.redis_client import any_client, bounded_client
-from extproc.redis_health import RedisHealth
 from extproc.render.envoy_dynamic import (
     pool_endpoints,
     union_endpoints,
@@ -68,6 +66,8 @@ from extproc.render.envoy_dynamic import (
 from extproc.render.envoy_xds import dynamic_clusters, union_clusters
 from extproc.serve.admin import AdminApp, start_admin
 from extproc.serve.drain import drain
+from extproc.serve.logs import setup_logging
+from extproc.serve.loop_monitor import LoopMonitor
 
 log = logging.getLogger("extproc.serve")
 

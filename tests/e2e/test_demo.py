@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from extproc.demo import run_demo
+from extproc.harness.demo import run_demo
 
 
 def test_demo_reports_affinity_failover_and_bulkheads(tmp_path: Path) -> None:

@@ -20,8 +20,8 @@ from redis.asyncio import Redis
 from extproc.core.chains import ChainSketch
 from extproc.core.facts import ParseLimits, RequestFacts, parse_request
 from extproc.core.keys import KeyRules
+from extproc.ledger.redis_client import bounded_client
 from extproc.pipeline.chain_sync import ChainSync
-from extproc.redis_client import bounded_client
 from tests.support.redis_server import RedisServer
 
 JSON = {"content-type": "application/json"}

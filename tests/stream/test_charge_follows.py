@@ -18,8 +18,8 @@ from extproc.config import compile_runtime, parse_config
 from extproc.config.runtime import Runtime
 from extproc.core.fleet import Budget
 from extproc.ledger.gate import build_gate
-from extproc.metrics import Metrics
 from extproc.pipeline.endpoint_health import EndpointHealth
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Rejected, Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from tests.stream.test_pipeline import headers

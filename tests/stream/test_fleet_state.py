@@ -27,7 +27,6 @@ from extproc.core.facts import RequestFacts
 from extproc.core.keys import KeySource, hash_key
 from extproc.core.load import LoadReport
 from extproc.core.placement import Placement
-from extproc.metrics import Metrics
 from extproc.names import PRIMARY_HEADER
 from extproc.pipeline.explain import explain_outcome
 from extproc.pipeline.fleet_state import (
@@ -36,6 +35,7 @@ from extproc.pipeline.fleet_state import (
     RedisSessions,
     SessionMemory,
 )
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import FleetProcessor

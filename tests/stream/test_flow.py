@@ -26,7 +26,7 @@ from extproc.core.fleet import Budget
 from extproc.core.flow import FairClaim, FairQueue
 from extproc.ledger.gate import build_gate
 from extproc.ledger.redis import TICKET_LEASE_S, RedisLedger
-from extproc.metrics import Metrics
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Rejected, Routed, Waiting
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from tests.support.redis_server import RedisClusterServers, RedisServer

@@ -28,8 +28,8 @@ from extproc.config import compile_runtime, parse_config
 from extproc.config.runtime import Runtime
 from extproc.core.api import BadRequest
 from extproc.ledger.gate import build_gate
-from extproc.metrics import Metrics
 from extproc.names import FLEET_HEADERS
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Outcome, Rejected, Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol import responses

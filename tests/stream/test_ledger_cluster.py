@@ -19,8 +19,8 @@ from extproc.harness.launch import free_port
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.redis import RedisLedger, compartment_keys
 from extproc.ledger.waiters import listen_for_releases
-from extproc.metrics import Metrics
 from extproc.pipeline.fleet_state import PROBE_INTERVAL_S, FleetState, RedisSessions
+from extproc.pipeline.metrics import Metrics
 from tests.stream.test_fleet_state import PARAMS, SECRET, facts
 from tests.stream.test_ledger_redis import gate_for, request, runtime, sample
 from tests.support.redis_server import RedisClusterServers, command

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from extproc.config import compile_runtime, parse_config
 from extproc.core.api import BadRequest
 from extproc.ledger.gate import build_gate
-from extproc.metrics import Metrics
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Passthrough, Rejected, Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from tests.support.flow import NO_PLACEMENT, refused_at_once

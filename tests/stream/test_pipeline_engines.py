@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry
 from extproc.config import compile_runtime, parse_config
 from extproc.config.runtime import Runtime, with_discovered_models
 from extproc.core.endpoints import endpoint_order, engine_cap, engine_key
-from extproc.metrics import Metrics
 from extproc.pipeline.explain import explain_outcome
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.responses import RouteAnswers

@@ -15,9 +15,9 @@ from extproc.core.api import Api
 from extproc.core.facts import RequestFacts
 from extproc.core.keys import KeySource, hash_key
 from extproc.ledger.gate import build_gate
-from extproc.metrics import Metrics
+from extproc.ledger.redis_health import RedisHealth
 from extproc.pipeline.fleet_state import FleetState, RedisSessions
-from extproc.redis_health import RedisHealth
+from extproc.pipeline.metrics import Metrics
 
 PARAMS = AffinityParams(enabled=True)
 

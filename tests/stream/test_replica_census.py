@@ -16,7 +16,7 @@ import yaml
 
 from extproc.harness.launch import Proc, http_get, wait_until
 from extproc.ledger.census import ReplicaCensus, census_key
-from extproc.redis_client import any_client
+from extproc.ledger.redis_client import any_client
 from tests.stream.test_ledger_redis import fleet_doc
 from tests.support.redis_server import RedisClusterServers, RedisServer
 

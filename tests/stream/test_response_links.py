@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 from extproc.config import compile_runtime, parse_config
 from extproc.config.runtime import Runtime
 from extproc.core.keys import KeySource
-from extproc.metrics import Metrics
 from extproc.pipeline.fleet_state import FleetState, RedisSessions
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from tests.support.redis_server import RedisServer

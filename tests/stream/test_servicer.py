@@ -28,7 +28,6 @@ from extproc.config import compile_runtime, parse_config
 from extproc.config.runtime import Runtime
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts, parse_request
-from extproc.metrics import Metrics
 from extproc.names import (
     BUFFER_HEADROOM,
     CLASS_HEADER,
@@ -38,6 +37,7 @@ from extproc.names import (
     SECONDARY_HEADER,
     SESSION_HEADER,
 )
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.server import FleetProcessor
 from extproc.serve.service import grpc_options

@@ -241,7 +241,7 @@ def test_dockerfile_is_multi_stage_pinned_and_non_root() -> None:
 
 def test_dockerfile_health_check_asks_the_processors_grpc_port() -> None:
     (check,) = [r for k, r in dockerfile_instructions() if k == "HEALTHCHECK"]
-    assert "extproc.healthcheck" in check
+    assert "extproc.serve.healthcheck" in check
     port = re.search(r'"--port",\s*"(\d+)"', check)
     assert port is not None and int(port.group(1)) == fleet().processor.port
 
@@ -259,14 +259,14 @@ def test_dockerignore_lets_through_everything_the_dockerfile_copies() -> None:
             assert any(src == a or src.startswith(a + "/") for a in allowed), f"{src} is ignored"
 
 
-# --- extproc.healthcheck against a real gRPC health service --------------------------------
+# --- extproc.serve.healthcheck against a real gRPC health service --------------------------------
 
 
 async def run_check(port: int) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "extproc.healthcheck",
+        "extproc.serve.healthcheck",
         "--port",
         str(port),
         "--timeout",

@@ -9,7 +9,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from extproc.ledger.metrics import LedgerMetrics
-from extproc.metrics import Metrics
+from extproc.pipeline.metrics import Metrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "fleet-extproc.json"
 

@@ -29,15 +29,9 @@ SERVING = {
     "render",
     "serve",
     "names",
-    "metrics",
-    "logs",
-    "redis_client",
-    "redis_health",
-    "loop_monitor",
-    "healthcheck",
 }
 # Development and evaluation tools: they may import the serving path, never the reverse.
-TOOLING = {"harness", "bench", "sim", "demo", "reliability"}
+TOOLING = {"harness", "bench", "sim", "reliability"}
 # The decision core is pure: no I/O, no clocks, no protocol, no randomness of its own.
 CORE_FORBIDDEN = {
     "asyncio",

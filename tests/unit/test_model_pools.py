@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 from extproc.config import compile_runtime, parse_config
 from extproc.config.runtime import Runtime, with_discovered_models
 from extproc.core.models import MODEL_POOL_PREFIX, model_pool_name
-from extproc.metrics import Metrics
 from extproc.names import ROUTE_HEADER
 from extproc.pipeline.explain import explain_engine
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.protocol.responses import DESTINATION_HEADER, endpoint_response

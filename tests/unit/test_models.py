@@ -20,7 +20,7 @@ from extproc.config.runtime import Runtime, with_discovered_models
 from extproc.core.api import BadRequest, ErrorStyle
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.models import ModelUnavailable, UnknownModel
-from extproc.metrics import Metrics
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.model_discovery import parse_model_list
 from extproc.pipeline.outcomes import ModelList, Passthrough, Routed, Unavailable
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder

@@ -21,7 +21,7 @@ from extproc.core.pd import (
     choose_prefill,
 )
 from extproc.ledger.gate import build_gate
-from extproc.metrics import Metrics
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Rejected, Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 

@@ -20,7 +20,7 @@ from extproc.core.chains import ChainParams, ChainSketch
 from extproc.core.facts import ParseLimits, RequestFacts, parse_request
 from extproc.harness.layouts import LayoutConfig, generate_layout
 from extproc.harness.workload import ReplayRequest
-from extproc.metrics import Metrics
+from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
 from extproc.sim.engine import run_policy

@@ -8,9 +8,9 @@ import time
 
 from prometheus_client import CollectorRegistry
 
-from extproc.loop_monitor import LoopMonitor
 from extproc.reliability.probes import interval_quantile
 from extproc.reliability.soak import Sample, judge
+from extproc.serve.loop_monitor import LoopMonitor
 
 
 def _samples(rss: list[float], fds: list[int]) -> list[Sample]:

@@ -6,21 +6,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-LATENCY_BUCKETS = (
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    1.0,
-)
+from extproc.ledger.metrics import LATENCY_BUCKETS
+
 _BODY_BUCKETS = tuple(float(1 << k) for k in range(8, 27, 2))  # 256 B … 64 MiB
 
 

@@ -1,6 +1,6 @@
 """Container health check: ask the processor's gRPC health service, exit 0 only if SERVING.
 
-Run as ``python -m extproc.healthcheck --port 50051`` (the Dockerfile's HEALTHCHECK). A plain
+Run as ``python -m extproc.serve.healthcheck --port 50051`` (the Dockerfile's HEALTHCHECK). A plain
 TCP probe would pass while the server is draining; the health service reports NOT_SERVING from
 the moment shutdown starts, so Docker stops counting a draining replica as healthy.
 """
@@ -16,7 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m extproc.healthcheck", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m extproc.serve.healthcheck", description=__doc__
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--service", default="", help="health service name ('' = whole server)")
