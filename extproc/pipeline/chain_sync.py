@@ -18,24 +18,27 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
-
 from extproc.core.chains import ChainSketch, decode_promotion, encode_promotion
+from extproc.ledger.redis_client import UNAVAILABLE, AnyRedis
 
 log = logging.getLogger("extproc.chains")
 
+# Before serving (ChainSync.warm): rounds tried, and the pause after a failed one.
+WARM_ATTEMPTS = 5
+WARM_SPACING_S = 0.2
+
 
 class ChainSync:
-    def __init__(self, redis: Redis, key_prefix: str, sketch: ChainSketch) -> None:
+    def __init__(self, redis: AnyRedis, key_prefix: str, sketch: ChainSketch) -> None:
         self._redis = redis
         self._key = f"{key_prefix}:chains"
         self._sketch = sketch
         self.rounds = 0
         self.failures = 0
 
-    async def round(self) -> None:
-        """Publish local promotions, merge everyone's. One pipelined round trip."""
+    async def round(self) -> bool:
+        """Publish local promotions, merge everyone's. One pipelined round trip; False when
+        Redis did not answer."""
         fresh = self._sketch.drain_promotions()
         try:
             stored = int(await self._redis.hlen(self._key)) if fresh else 0
@@ -45,18 +48,34 @@ class ChainSync:
                 pipe.hset(self._key, f"{promotion.chains[0]:016x}", encode_promotion(promotion))
             pipe.hgetall(self._key)
             results = await pipe.execute()
-        except (TimeoutError, RedisError, OSError) as exc:
+        except UNAVAILABLE as exc:
             self.failures += 1
             # Not lost: promotions stay in the local sketch, and are offered again next round.
             self._sketch.requeue(fresh)
             log.warning("chain sync round failed", extra={"error": str(exc)})
-            return
+            return False
         everything = results[-1]
         promotions = [decode_promotion(value) for value in everything.values()]
         self._sketch.merge(p for p in promotions if p is not None)
         self.rounds += 1
+        return True
 
-    async def run(self, interval_s: float) -> None:
+    async def warm(self, attempts: int = WARM_ATTEMPTS, spacing_s: float = WARM_SPACING_S) -> bool:
+        """A first round before serving, retried a few times: True once one answered."""
+        for attempt in range(attempts):
+            if await self.round():
+                return True
+            if attempt + 1 < attempts:
+                await asyncio.sleep(spacing_s)
+        return False
+
+    async def run(self, interval_s: float, warmed: bool = False) -> None:
+        """A round every ``interval_s``; ``warmed``: the first one already ran (warm)."""
+        if warmed:
+            await asyncio.sleep(interval_s)
         while True:
             await self.round()
             await asyncio.sleep(interval_s)
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()

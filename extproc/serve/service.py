@@ -42,7 +42,7 @@ from extproc.core.admission import request_tokens
 from extproc.core.chains import ChainSketch
 from extproc.ledger.census import ReplicaCensus
 from extproc.ledger.gate import AdmissionGate, build_gate, workers_problem
-from extproc.ledger.redis_client import any_client, bounded_client
+from extproc.ledger.redis_client import any_client
 from extproc.ledger.redis_health import RedisHealth
 from extproc.names import BUFFER_HEADROOM
 from extproc.pipeline.chain_sync import ChainSync
@@ -412,6 +412,29 @@ class Service:
             if signalled or changed:
                 await self.reload()
 
+    async def _warm_chains(self) -> ChainSync | None:
+        """With Redis: merge the common chains the other replicas learnt before serving, so a
+        restarted replica keys conversations as they do from its first request (an empty
+        sketch keys a conversation behind a shared opening differently until it has learnt
+        the opening again: another placement, a cold prefix cache). Bounded: a Redis that does
+        not answer leaves the sketch to the periodic rounds."""
+        redis_cfg = self.holder.current.redis
+        if not redis_cfg.url:
+            return None
+        sync = ChainSync(
+            any_client(redis_cfg.url, redis_cfg.timeout_s, 2), redis_cfg.key_prefix, self.chains
+        )
+        started = time.monotonic()
+        warmed = await sync.warm()
+        log.info(
+            "chain sketch warmed from redis" if warmed else "chain sketch not warmed: redis",
+            extra={
+                "common_chains": self.chains.common_count,
+                "seconds": round(time.monotonic() - started, 3),
+            },
+        )
+        return sync
+
     # -- lifecycle ---------------------------------------------------------------------------
     async def run(self) -> int:
         cfg = self.holder.current.config
@@ -430,6 +453,7 @@ class Service:
             log.error("cannot bind gRPC port", extra={"address": address, "port": port})
             return 1
         await self.gate.start()
+        chain_sync = await self._warm_chains()
         if self.endpoint_health is not None:
             await self.endpoint_health.start()
         metrics_port = (
@@ -468,7 +492,6 @@ class Service:
         )
         watchers.append(asyncio.create_task(gpus.run()))
         redis_cfg = self.holder.current.redis
-        chain_redis = None
         if redis_cfg.url:
             self.census = ReplicaCensus(
                 any_client(redis_cfg.url, redis_cfg.timeout_s, 2),
@@ -477,10 +500,9 @@ class Service:
             )
             await self.census.announce(self.clock())
             watchers.append(asyncio.create_task(self._watch_redis()))
-            chain_redis = bounded_client(redis_cfg.url, redis_cfg.timeout_s, 2)
-            sync = ChainSync(chain_redis, redis_cfg.key_prefix, self.chains)
+        if chain_sync is not None:
             interval = self.holder.current.config.prefix.sync_interval_s
-            watchers.append(asyncio.create_task(sync.run(interval)))
+            watchers.append(asyncio.create_task(chain_sync.run(interval, warmed=True)))
         log.info(
             "serving",
             extra={
@@ -507,8 +529,8 @@ class Service:
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
         await self.gate.close()
-        if chain_redis is not None:
-            await chain_redis.aclose()
+        if chain_sync is not None:
+            await chain_sync.aclose()
         if self.census is not None:
             await self.census.aclose()
         await self.pipeline.aclose()
