@@ -17,7 +17,7 @@ Figures are process CPU time (``time.process_time``), best of ``--repeat`` round
 ``--cold-bytes N`` writes N bytes of other memory before every request (not timed), as Envoy,
 gRPC's C core and the kernel do between two requests of a processor sharing 2 cores with them:
 the handler then runs from cold caches, as it does through Envoy, where its Python costs about
-twice what the warm loop shows (BENCHMARKS.md, "The body path's gap to bare through Envoy").
+twice what the warm loop shows (BENCHMARKS.md).
 """
 
 from __future__ import annotations

@@ -422,8 +422,8 @@ def with_sketch(runtime: Runtime, sketch: ChainSketch) -> Runtime:
     return dataclasses.replace(runtime, key_rules=rules)
 
 
-# Measured through Envoy in every layout of `extproc bench layouts` (BENCHMARKS.md, "Bounded-load
-# placement of new sessions"): max/mean 1.07-1.12 over 8 clusters where the hash alone gives
+# Measured through Envoy in every layout of `extproc bench layouts` (BENCHMARKS.md): max/mean
+# 1.07-1.12 over 8 clusters where the hash alone gives
 # 1.21-1.32, hit ratio unchanged, every later turn on its first cluster.
 DEFAULT_BALANCE_FACTOR = 1.1
 

@@ -2,7 +2,7 @@
 
 orjson is the reference: every answer the processor gives to a body (the document, or the
 400 with orjson's reason) is the one ``orjson.loads`` gives. msgspec decodes the same documents
-faster (a 4 MiB chat body in about a third of orjson's time; BENCHMARKS.md, "Body decoding"),
+faster (a 4 MiB chat body in about a third of orjson's time; BENCHMARKS.md),
 but it answers a few hostile inputs differently:
 
 - integers outside [-2**63, 2**64): msgspec keeps them exact; orjson turns them into floats,

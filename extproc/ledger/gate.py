@@ -923,7 +923,7 @@ class AdmissionGate:
     async def _check_eviction(self, shared: RedisLedger) -> None:
         """Warn (log, readiness) when Redis may evict ledger keys: every ledger key has a TTL,
         so any ``volatile-*`` or ``allkeys-*`` policy can drop leases and in-flight counts
-        under memory pressure, which silently frees budget (RELIABILITY.md, "Budget ledger")."""
+        under memory pressure, which silently frees budget (RELIABILITY.md)."""
         policy = await shared.eviction_policy()
         if policy is None or policy == "noeviction":
             self.warnings = []

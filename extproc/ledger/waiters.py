@@ -13,7 +13,7 @@ What wakes the head:
   channel ``P:freed`` (payload: the compartment's state key), which :func:`listen_for_releases`
   turns into :meth:`Waiters.freed`. A notice can be lost (a reconnect) and budget can free
   without a release (a lease that lapsed with its dead holder), so while Redis is in use the
-  head also re-checks every ``flow.redis_poll_ms`` (RELIABILITY.md, "Flow control" has the
+  head also re-checks every ``flow.redis_poll_ms`` (RELIABILITY.md has the
   measured wake-up latency of both);
 - a token-rate limit frees budget with time alone: the head sleeps until the bucket holds
   enough.

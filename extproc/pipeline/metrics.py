@@ -55,7 +55,7 @@ class Metrics:
             "Routed inference requests that ran without the response phases the processor"
             " would read, by reason. chunked_upload: an HTTP/1.1 upload without content-length"
             " gets response trailers only, so Envoy's answer to a malformed chunk or trailer is"
-            " not lost (RELIABILITY.md, defect 6); for these requests the budget charge does"
+            " not lost (RELIABILITY.md); for these requests the budget charge does"
             " not follow a failover, and load reports and usage are not read.",
             ["reason"],
             registry=registry,

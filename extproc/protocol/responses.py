@@ -74,7 +74,7 @@ OBSERVE_RESPONSES = _observing(response_body=True)
 # trailer block), and Envoy's own answer to that error then runs through the filter's response
 # phases while the connection manager closes the connection at once: with response headers
 # SEND, the answer waits on the processor and the client gets none (Envoy issue 29440;
-# RELIABILITY.md, defect 6). So no response phase Envoy's answer would wait on: response
+# RELIABILITY.md). So no response phase Envoy's answer would wait on: response
 # trailers SEND only keeps the stream, and with it the request's budget, until the exchange
 # ends (as on the header path), and Envoy's answer has no trailers.
 OBSERVE_CHUNKED_UPLOAD = ep.ProcessingResponse(

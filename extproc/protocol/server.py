@@ -365,7 +365,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             # Not on the body path: a stream ended before Envoy's half-close left its request
             # message, the whole body in it, to grpc.aio's reference cycles, freed only when
             # the cyclic GC ran (4 / 16 MiB bodies: RSS 120 -> 330 MB, 217 -> 405-905 MB, and
-            # the allocator's page faults back; BENCHMARKS.md, "Large bodies and the allocator").
+            # the allocator's page faults back; BENCHMARKS.md).
             state.finished = (
                 self._end_when_routed and skip_body is not None and (hold is None or not hold.held)
             )

@@ -2,7 +2,7 @@
 the diagnosis of a row's worst peak from the run's own records.
 
 The bound is built from the mechanisms that may admit past a budget, each bounded in
-RELIABILITY.md ("Budget ledger under faults", "A primary cluster down"); per class, in requests
+RELIABILITY.md ("Budgets under faults", "A primary cluster down"); per class, in requests
 over ``max_concurrent`` on one cluster:
 
 - **local fallback** (the row had ledger calls that failed or timed out): a replica that cannot

@@ -113,7 +113,7 @@ def without_local_constants() -> Iterator[None]:
     every non-test module the process has imported. The pool then depended on which modules
     happened to be imported (a whole pytest session imports far more than one test file) and
     on their source: the 500-case CI fuzz drew a different pool in a full e2e run than run
-    alone, with the same seed (RELIABILITY.md, defect 6). There is no setting for it, so the
+    alone, with the same seed (RELIABILITY.md). There is no setting for it, so the
     miner is swapped for an empty set while the pool is drawn; the cache of permitted
     constants is cleared around it so that neither side sees the other's entries."""
     from hypothesis.internal import constants_ast

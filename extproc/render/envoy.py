@@ -594,7 +594,7 @@ def _ext_proc_filter(runtime: Runtime) -> Json:
                 # (protocol/responses.py, observe_responses). Rendered SEND, they would also
                 # hold Envoy's own reply to a malformed header block, which has no request
                 # for the processor to have seen: that reply then never came (Envoy closed the
-                # connection a second later; RELIABILITY.md, defect 2).
+                # connection a second later; RELIABILITY.md).
                 "response_header_mode": "SKIP",
                 "response_body_mode": "NONE",
                 # SEND: Envoy sends a trailers message only for requests that have trailers

@@ -9,7 +9,7 @@ the kernel. Either way, every request of a few MiB touches memory the kernel mus
 again, 4 KiB at a time: ~2,000 minor faults for a 4 MiB request through the bare processor,
 ~10,000 for 16 MiB (``extproc bench overhead`` counts them). On the Firecracker VM the
 benchmarks run on, those faults cost more than the bare processor's own work, and their cost
-varied 3x between back-to-back runs (BENCHMARKS.md, "Large bodies and the allocator").
+varied 3x between back-to-back runs (BENCHMARKS.md).
 
 So the processor keeps freed memory for the next request: buffers up to glibc's largest mmap
 threshold come from the heap, and the heap is trimmed only when more than

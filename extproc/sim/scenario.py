@@ -237,7 +237,7 @@ def build(options: SimOptions, base: BaseTraffic | None = None) -> Prepared:
         # conversations spread to. Sized from one cache instead, a layout whose 8k-token
         # preamble is shared by every conversation of a tenant gets less KV per cluster than
         # the tenants' preambles take, and any placement that spreads them thrashes
-        # (SIMULATION.md, "completions-32k: the sizing, not the key").
+        # (SIMULATION.md).
         held_keys = base.spread_keys
         uncached += (base.spread_keys - base.n_keys) * base.block_tokens
     prefill_per_s = copies * uncached / period
