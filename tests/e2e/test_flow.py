@@ -18,7 +18,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,12 +54,6 @@ CLASSES: list[dict[str, Any]] = [
 LONG_TEXT = "tool output line, long enough to be a long request. " * 12
 DEFAULT_TIMER_S = ProcessorConfig().message_timeout_ms / 1000
 SHORTS = 16
-# Short requests' TTFT p99 during the burst, against the same requests' p99 without it
-# (measured in the same test): within this factor, plus a slack for a loaded CI machine's
-# scheduling noise. Queueing behind the burst would add a long request's service time (~0.8 s)
-# per request ahead; the slack is a fraction of one.
-SHORT_P99_FACTOR = 2.0
-SHORT_P99_SLACK_S = 0.25
 
 
 def long_body(tag: str, output: int = LONG_OUTPUT) -> bytes:
@@ -159,6 +153,7 @@ def test_burst_within_max_wait_is_served_without_retries(stack: FleetStack) -> N
         status, headers, _ = post(stack, sid, long_body(f"warm {turn}"))
         assert status == 200 and headers["x-served-by"] == primary, dump_logs(stack)
     admitted_before = metric(stack, "fleet_flow_waits_total", result="admitted")
+    short_waits_before = metric(stack, "fleet_flow_waits_total", request_class="short")
     # One runs, four wait: they fit the fleet-wide queue however Envoy spreads the streams.
     burst = 1 + MAX_QUEUE
     client = openai.OpenAI(api_key="t", base_url=f"{stack.url}/v1", max_retries=0, timeout=60)
@@ -199,7 +194,7 @@ def test_burst_within_max_wait_is_served_without_retries(stack: FleetStack) -> N
         longs = [pool.submit(long_call, i) for i in range(burst)]
         wait_until(
             polled(lambda: metric(stack, "fleet_flow_queue_depth", request_class="long") >= 2),
-            10,
+            60,
             "the burst queued",
         )
         during = list(pool.map(short_ttft, range(SHORTS, 2 * SHORTS)))
@@ -214,41 +209,74 @@ def test_burst_within_max_wait_is_served_without_retries(stack: FleetStack) -> N
     # The last ones waited for several releases, longer than the message timer.
     assert longest > DEFAULT_TIMER_S + 1.0, results
     assert metric(stack, "fleet_flow_waits_total", result="admitted") - admitted_before >= 3
-    # Short requests never queue behind the burst: their TTFT p99 while it waited stays within
-    # a small factor of their p99 without it.
-    p99_alone, p99_during = percentile(alone, 99), percentile(during, 99)
-    bound = SHORT_P99_FACTOR * p99_alone + SHORT_P99_SLACK_S
-    assert p99_during <= bound, (alone, during)
+    # Short requests never queue behind the burst: every one was answered, and flow control
+    # never made one wait (its class has budget to spare), while the long class queued. (Their
+    # TTFT is printed as a figure: on a loaded machine it follows the machine, not the queue.)
+    assert len(during) == SHORTS
+    assert metric(stack, "fleet_flow_waits_total", request_class="short") == short_waits_before
     print(
-        f"burst: longest {longest:.2f}s; short TTFT p99 {p99_alone:.3f}s alone, "
-        f"{p99_during:.3f}s during the burst (bound {bound:.3f}s)"
+        f"burst: longest {longest:.2f}s; short TTFT p99 {percentile(alone, 99):.3f}s alone, "
+        f"{percentile(during, 99):.3f}s during the burst"
     )
-    wait_until(polled(lambda: idle(stack)), 10, "queues empty and budget released")
+    wait_until(polled(lambda: idle(stack)), 60, "queues empty and budget released")
+
+
+def releases_per_s(stack: FleetStack, sid: str) -> float:
+    """The release rate of the session's primary compartment the processors estimate now (the
+    shared ledger's, so every replica's): the evidence each 429's hint is computed from."""
+    admin = f"http://127.0.0.1:{stack.metrics_ports[0]}"
+    shown = explain_remote(admin, CHAT, {"x-session-id": sid}, long_body("rate"), timeout_s=60)
+    usage = shown["budget_usage_on_primary"]
+    assert isinstance(usage, dict) and usage["ledger"] == "redis", shown
+    rate = float(usage["releases_per_second"])
+    assert rate > 0, shown  # the earlier turns were released: the hint has evidence
+    return rate
 
 
 def test_burst_beyond_max_queue_gets_immediate_429s_with_honest_hints(stack: FleetStack) -> None:
+    """Honest: a refused request's hint covers about as many releases of its budget as the
+    burst's admitted requests actually went through before the budget was free (within 2x
+    either way). Hints are seconds at the processors' observed release rate, so each is turned
+    into releases with that rate, read from the processors before and after the refusals: a
+    count against a count, whatever the machine's speed (a loaded machine stretches both the
+    hint and the requests, not always by the same factor at the same moment)."""
     runtime = load_runtime(stack.fleet_path)
     sid = "burst-agent"  # known session, releases observed by the previous test
     ranked(runtime, sid)
     burst = 2 + 2 * MAX_QUEUE + 4  # more than the queue can hold
+    waits_before = {
+        result: metric(stack, "fleet_flow_waits_total", request_class="long", result=result)
+        for result in ("overflow", "too_long", "timeout")
+    }
+    rates = [releases_per_s(stack, sid)]
     with ThreadPoolExecutor(burst) as pool:
-        started = time.monotonic()
         futures = [pool.submit(post, stack, sid, long_body(f"over {i}")) for i in range(burst)]
+        refused_first = next(f for f in as_completed(futures) if f.result()[0] == 429)
+        rates.append(releases_per_s(stack, sid))
         results = [f.result() for f in futures]
-    drained = time.monotonic() - started  # the last admitted request's end: budget free again
+    assert refused_first.result()[0] == 429
     statuses = Counter(status for status, _, _ in results)
     assert statuses[200] <= 1 + 2 * MAX_QUEUE and statuses[429] >= burst - 1 - 2 * MAX_QUEUE
     assert statuses[200] + statuses[429] == burst, statuses
-    refused = [(h, took) for status, h, took in results if status == 429]
-    for headers, took in refused:
-        assert took < 1.0, took  # at once, not after waiting
-        hint = int(headers["retry-after"])
-        actual = drained - took  # from the 429 until the budget had freed for it
-        assert actual / 2 <= hint <= 2 * actual, (hint, actual, headers)
-    print(
-        f"429 hints {[int(h['retry-after']) for h, _ in refused]}; budget free after {drained:.2f}s"
-    )
-    wait_until(polled(lambda: idle(stack)), 10, "queues empty and budget released")
+    # At once, not after waiting: every 429 was flow control's immediate refusal (queue full or
+    # the wait too long), none a waiter's timeout.
+    waits_after = {
+        result: metric(stack, "fleet_flow_waits_total", request_class="long", result=result)
+        for result in waits_before
+    }
+    refusals = sum(waits_after[r] - waits_before[r] for r in ("overflow", "too_long"))
+    assert refusals == statuses[429], (waits_before, waits_after, statuses)
+    assert waits_after["timeout"] == waits_before["timeout"], (waits_before, waits_after)
+    # The releases the budget went through before it was free for a refused request: every
+    # admitted request of the burst (each was admitted after the refusals began or was the one
+    # running, and ended before the budget was free again).
+    needed = statuses[200]
+    low, high = min(rates), max(rates)
+    hints = [int(headers["retry-after"]) for status, headers, _ in results if status == 429]
+    for hint in hints:
+        assert needed / 2 <= hint * high and hint * low <= 2 * needed, (hints, rates, needed)
+    print(f"429 hints {hints}; release rate {low:.2f}-{high:.2f}/s; {needed} admitted")
+    wait_until(polled(lambda: idle(stack)), 60, "queues empty and budget released")
 
 
 def test_new_session_on_full_primary_lands_on_next_candidate_and_stays(stack: FleetStack) -> None:
@@ -261,19 +289,21 @@ def test_new_session_on_full_primary_lands_on_next_candidate_and_stays(stack: Fl
         running = pool.submit(post, stack, holder, long_body("hold", output=60))  # ~3 s
         wait_until(
             polled(lambda: metric(stack, "fleet_budget_inflight_requests", cluster=full) == 1),
-            10,
+            60,
             "the holder admitted",
         )
-        status, headers, took = post(stack, fresh, long_body("fresh turn 0"))
+        waits_before = metric(stack, "fleet_flow_waits_total", request_class="long")
+        status, headers, _ = post(stack, fresh, long_body("fresh turn 0"))
         assert status == 200 and headers["x-served-by"] == expected, (headers, dump_logs(stack))
-        assert took < 2.0  # placed at once, not queued behind the holder
+        # Placed at once, not queued behind the holder: flow control made nobody wait.
+        assert metric(stack, "fleet_flow_waits_total", request_class="long") == waits_before
         assert running.result()[0] == 200
     # The primary is free again; later turns still follow the placement (their cache is there).
     for turn in (1, 2):
         status, headers, _ = post(stack, fresh, long_body(f"fresh turn {turn}"))
         assert status == 200 and headers["x-served-by"] == expected
     assert metric(stack, "fleet_flow_placements_total", request_class="long") >= 1
-    wait_until(polled(lambda: idle(stack)), 10, "queues empty and budget released")
+    wait_until(polled(lambda: idle(stack)), 60, "queues empty and budget released")
 
 
 def test_clients_leaving_the_queue_leave_nothing_held(stack: FleetStack) -> None:
@@ -282,11 +312,12 @@ def test_clients_leaving_the_queue_leave_nothing_held(stack: FleetStack) -> None
     full = ranked(runtime, sid)[0]
     cancelled_before = metric(stack, "fleet_flow_waits_total", result="cancelled")
     with ThreadPoolExecutor(1) as pool:
-        # ~10 s: outlasts the steps below even on a loaded machine.
-        running = pool.submit(post, stack, sid, long_body("hold", output=200))
+        # ~20 s (the simulated cluster's clock, not the CPU's): outlasts the steps below even
+        # on a starved machine.
+        running = pool.submit(post, stack, sid, long_body("hold", output=400))
         wait_until(
             polled(lambda: metric(stack, "fleet_budget_inflight_requests", cluster=full) == 1),
-            10,
+            60,
             "the holder admitted",
         )
         # Two more turns join the queue (within MAX_QUEUE); their clients hang up while waiting.
@@ -302,7 +333,7 @@ def test_clients_leaving_the_queue_leave_nothing_held(stack: FleetStack) -> None
             socks.append(sock)
         wait_until(
             polled(lambda: metric(stack, "fleet_flow_queue_depth", cluster=full) == 2),
-            10,
+            60,
             "two waiters queued",
         )
         # explain, on a replica's live state: the next turn would wait (or overflow) here.
@@ -315,7 +346,7 @@ def test_clients_leaving_the_queue_leave_nothing_held(stack: FleetStack) -> None
             sock.close()
         wait_until(
             polled(lambda: metric(stack, "fleet_flow_queue_depth", cluster=full) == 0),
-            10,
+            60,
             "the waiters gone",
         )
         # Left while the holder still runs: nothing was ever taken for them.
@@ -323,7 +354,7 @@ def test_clients_leaving_the_queue_leave_nothing_held(stack: FleetStack) -> None
         assert metric(stack, "fleet_budget_inflight_requests", cluster=full) == 1
         assert metric(stack, "fleet_flow_waits_total", result="cancelled") - cancelled_before == 2
         assert running.result()[0] == 200
-    wait_until(polled(lambda: idle(stack)), 10, "budget released")
+    wait_until(polled(lambda: idle(stack)), 60, "budget released")
 
 
 # --- Envoy Gateway's filter: one message timer, no max_message_timeout --------------------
@@ -404,7 +435,7 @@ def test_under_envoy_gateways_timer_a_wait_past_the_old_timer_is_answered_and_bu
         holder = pool.submit(post, gateway, sid, long_body("hold", output=GATEWAY_HOLD_TOKENS))
         wait_until(
             polled(lambda: metric(gateway, "fleet_budget_inflight_requests", cluster=primary) == 1),
-            10,
+            60,
             "the holder admitted",
         )
         status, headers, took = post(gateway, sid, long_body("waiter"))
@@ -431,4 +462,4 @@ def test_under_envoy_gateways_timer_a_wait_past_the_old_timer_is_answered_and_bu
         # while the holder still had the class's only budget (unplaced, unbudgeted).
         assert timeouts >= 1 and failed_open >= 1 and holder_running, took
         assert admitted == 0
-    wait_until(polled(lambda: idle(gateway)), 10, "queues empty and budget released")
+    wait_until(polled(lambda: idle(gateway)), 60, "queues empty and budget released")
