@@ -157,7 +157,6 @@ def run_setup(
         fleet_overrides=overrides,
         processor_args=("--log-level", "warning"),
         access_log=False,
-        sim_start_timeout_s=90.0,
     )
     stack.start(attempts=4)  # fresh ports each time: a shared busy machine loses some races
     try:

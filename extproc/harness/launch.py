@@ -52,6 +52,11 @@ def envoy_binary() -> str:
     return found
 
 
+# How long a process may take to start before the harness calls it hung: generous, because on a
+# starved machine (a CI runner beside other jobs) a Python process took over 20 s to start.
+START_TIMEOUT_S = 120.0
+
+
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -179,7 +184,7 @@ class FleetStack:
     envoy_concurrency: int = 1
     # How long a simulated cluster may take to answer /health after its start (a process
     # start: longer on a loaded machine).
-    sim_start_timeout_s: float = 20.0
+    sim_start_timeout_s: float = START_TIMEOUT_S
     access_log: bool = True
     # Envoy reads its clusters from a CDS file that the processor rewrites on config reload.
     dynamic_cds: bool = False
@@ -404,7 +409,7 @@ class FleetStack:
             self.sims[member] = proc
         return proc
 
-    def restart_sim(self, name: str, timeout: float = 20) -> None:
+    def restart_sim(self, name: str, timeout: float = START_TIMEOUT_S) -> None:
         old = self.sims.get(name)
         if old is not None:
             old.stop()
@@ -424,7 +429,7 @@ class FleetStack:
         spec = SimSpec(f"{cluster}-e{taken + 1}", self._port(), self.sim_args, cluster=cluster)
         self.sim_specs[spec.name] = spec
         self.start_sim(spec.name)
-        wait_until(lambda: _ok(spec.port, "/health"), 20, f"sim engine {spec.name}")
+        wait_until(lambda: _ok(spec.port, "/health"), START_TIMEOUT_S, f"sim engine {spec.name}")
         write_atomically(self.fleet_path, yaml.safe_dump(self.fleet_config(), sort_keys=False))
         return spec.name
 
@@ -433,7 +438,7 @@ class FleetStack:
         spec = SimSpec(name, self._port(), self._sim_args(name))
         self.sim_specs[name] = spec
         self.start_sim(name)
-        wait_until(lambda: _ok(spec.port, "/health"), 20, f"sim cluster {name}")
+        wait_until(lambda: _ok(spec.port, "/health"), START_TIMEOUT_S, f"sim cluster {name}")
         write_atomically(self.fleet_path, yaml.safe_dump(self.fleet_config(), sort_keys=False))
 
     def remove_cluster(self, name: str) -> None:
@@ -473,7 +478,7 @@ class FleetStack:
             return False
 
         try:
-            wait_until(is_ready, 30, "processor READY line")
+            wait_until(is_ready, START_TIMEOUT_S, "processor READY line")
         except BaseException:
             # Not yet in self.procs, so stop() would not reach it: a processor that is slow to
             # start on a loaded machine would outlive the stack (seen as orphans holding ports).
@@ -510,7 +515,7 @@ class FleetStack:
                 raise RuntimeError(f"envoy exited:\n{envoy.log_text()[-2000:]}")
             return _ok(self.admin_port, "/ready")
 
-        wait_until(ready, 30, "envoy /ready")
+        wait_until(ready, START_TIMEOUT_S, "envoy /ready")
         self.wait_healthy(list(self.sim_specs))
 
     def host_health(self) -> dict[tuple[str, str], bool]:
@@ -523,7 +528,7 @@ class FleetStack:
                 health[(parts[0], parts[1])] = parts[3].strip() == "healthy"
         return health
 
-    def wait_healthy(self, names: Sequence[str], healthy: bool = True, timeout: float = 20) -> None:
+    def wait_healthy(self, names: Sequence[str], healthy: bool = True, timeout: float = 60) -> None:
         """Wait until Envoy sees these clusters' hosts as (un)healthy, in their own Envoy
         cluster and in the fallback cluster that holds every endpoint (the pool data path has
         only the pool). A name is a cluster (all its engines) or one engine process."""
@@ -558,7 +563,7 @@ class FleetStack:
 
         wait_until(check, timeout, f"envoy to see {list(names)} healthy={healthy}", 0.1)
 
-    def wait_processor_health(self, index: int, healthy: bool = True, timeout: float = 20) -> None:
+    def wait_processor_health(self, index: int, healthy: bool = True, timeout: float = 60) -> None:
         """Wait until Envoy's health checks of the extproc cluster see replica ``index`` so."""
         key = ("extproc", f"{LOOPBACK}:{self.grpc_ports[index]}")
         wait_until(

@@ -181,7 +181,6 @@ def run_envoy_fuzz(
         fleet_overrides=overrides,
         access_log=False,
         # A process start takes longer on a loaded machine; 20 s was missed at load ~30.
-        sim_start_timeout_s=60.0,
     )
     tally = Tally()
     passthrough_upstream = 0

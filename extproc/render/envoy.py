@@ -618,6 +618,9 @@ def _access_log(path: str) -> list[Json]:
         "path": "%REQ(:PATH)%",
         "status": "%RESPONSE_CODE%",
         "flags": "%RESPONSE_FLAGS%",
+        # Which timer or error ended the request (upstream_per_try_timeout,
+        # upstream_response_timeout, ...): the flags alone do not tell them apart.
+        "details": "%RESPONSE_CODE_DETAILS%",
         "route_cluster": "%UPSTREAM_CLUSTER%",
         "upstream": "%UPSTREAM_HOST%",
         "primary": "%REQ(X-FLEET-PRIMARY)%",

@@ -103,7 +103,6 @@ def engines3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         clusters=2,
         engines=3,
         dynamic_cds=True,
-        sim_start_timeout_s=60,  # six engine processes start at once
         # Pure hashing predicts first turns (no balance spills): tests engine stickiness.
         fleet_overrides={"processor": {"inspect_usage": True}, "affinity": PURE_HASH},
     )
@@ -270,7 +269,6 @@ def picker3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         engines=3,
         # Pure hashing predicts first turns (no balance spills): tests engine stickiness.
         fleet_overrides={"processor": {"mode": "endpoint_picker"}, "affinity": PURE_HASH},
-        sim_start_timeout_s=60,
     )
     with stack:
         yield stack
@@ -337,7 +335,6 @@ def lora_fleet(
             # Pure hashing predicts first turns (no balance spills): tests an adapter's engines.
             "affinity": PURE_HASH,
         },
-        sim_start_timeout_s=60,
     )
     with stack:
         yield stack

@@ -70,7 +70,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
             sim_args=SIM_ARGS,
             processors=2,
             processor_args=("--seed", "5"),
-            sim_start_timeout_s=60.0,  # three sims, Redis and two replicas start at once
             fleet_overrides={
                 # The shipped default timer (the harness raises it to 5 s for loaded machines).
                 "processor": {"message_timeout_ms": ProcessorConfig().message_timeout_ms},
@@ -401,7 +400,6 @@ def gateway(
         tmp_path_factory.mktemp("flow-gateway"),
         clusters=2,
         sim_args=SIM_ARGS,
-        sim_start_timeout_s=60.0,
         policy_timer=request.param == "policy-timer",
         fleet_overrides={
             "processor": {"message_timeout_ms": ProcessorConfig().message_timeout_ms},

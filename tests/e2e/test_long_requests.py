@@ -112,7 +112,8 @@ def operator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         yield stack
 
 
-def _flags(stack: FleetStack, count: int) -> list[str]:
+def _ends(stack: FleetStack, count: int) -> list[tuple[str, str]]:
+    """How each request ended, from Envoy's access log: (flags, response code details)."""
     path = stack.workdir / "access.log"
 
     def entries() -> list[dict[str, Any]]:
@@ -120,8 +121,8 @@ def _flags(stack: FleetStack, count: int) -> list[str]:
         return [orjson.loads(line) for line in lines if line.startswith(b"{")]
 
     # Envoy flushes the access log about once a second.
-    wait_until(lambda: len(entries()) >= count, 10, f"{count} access log lines")
-    return sorted(e["flags"] for e in entries())
+    wait_until(lambda: len(entries()) >= count, 60, f"{count} access log lines")
+    return sorted((e["flags"], e["details"]) for e in entries())
 
 
 def test_operator_timeouts_are_honoured(operator: FleetStack) -> None:
@@ -143,12 +144,17 @@ def test_operator_timeouts_are_honoured(operator: FleetStack) -> None:
     assert q["status"] == 200 and q["complete"], q
     assert s["status"] == 200 and not s["complete"], s
     assert b"[DONE]" not in s["body"] and s["body"].startswith(b"data: ")
-    assert 2.5 < s["seconds"] < 6, s["seconds"]
     # Envoy's own answer (rendered as a JSON error by the local reply config).
     assert w["status"] == 504 and b"upstream request timeout" in w["body"], w
-    assert w["seconds"] < 3, w["seconds"]
-    # UT: upstream request timeout, for both cut requests.
-    assert _flags(operator, 3) == ["-", "UT", "UT"]
+    # UT (upstream request timeout) for both cut requests, and which timer it was (Envoy's
+    # response code details), not how long they took: the per-try timer ended the unstreamed
+    # one; the route timer ended the stream, on which the per-try timer no longer ran.
+    assert orjson.loads(w["body"])["error"]["code"] == "upstream_per_try_timeout", w
+    assert _ends(operator, 3) == [
+        ("-", "via_upstream"),
+        ("UT", "response_timeout"),
+        ("UT", "upstream_per_try_timeout"),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +174,7 @@ def test_operator_stream_idle_timeout_ends_only_silent_requests(idle: FleetStack
         s, w = streamed.result(), whole.result()
     assert s["status"] == 200 and s["complete"], s
     assert s["body"].rstrip().endswith(b"data: [DONE]")
-    assert s["seconds"] > 3, s["seconds"]
+    assert s["seconds"] > 3, s["seconds"]  # longer than the idle timer: it was in play
+    # Ended by the idle timer (flag SI), whatever the machine's speed.
     assert w["status"] == 504 and b"stream timeout" in w["body"], w
-    assert w["seconds"] < 4, w["seconds"]
-    assert _flags(idle, 2) == ["-", "SI"]
+    assert [flags for flags, _ in _ends(idle, 2)] == ["-", "SI"]

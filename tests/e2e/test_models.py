@@ -48,7 +48,6 @@ def models_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStac
             # Pure hashing predicts first turns (no balance spills): tests model routing.
             "affinity": PURE_HASH,
         },
-        sim_start_timeout_s=60,  # four engine processes start at once (20 s missed at load 33)
     )
     with stack:
         yield stack
@@ -88,7 +87,6 @@ def pooled_models(
         cluster_models={"c1": ["big"], "c2": ["big"], "c3": ["small"]},
         # Pure hashing predicts first turns (no balance spills): tests model routing.
         fleet_overrides={"processor": {"mode": "endpoint_picker"}, "affinity": PURE_HASH},
-        sim_start_timeout_s=60,
         dynamic_cds=request.param == "file",
         xds_cds=request.param == "xds",
     )

@@ -29,7 +29,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
             processors=2,
             # Four simulated clusters and two processors start at once: on a loaded machine a
             # simulated cluster took longer than the default 20 s to answer /health.
-            sim_start_timeout_s=90.0,
             fleet_overrides={
                 "processor": {"inspect_usage": True},
                 "prefix": {"key": "chain"},

@@ -36,7 +36,6 @@ def fleet64(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         sims_per_process=16,
         dynamic_cds=True,
         # Four processes of 16 servers start at once; on a loaded machine that took over 20 s.
-        sim_start_timeout_s=90,
         access_log=False,
         # Pure hashing predicts first turns (no balance spills): tests 64 clusters' data path.
         fleet_overrides={"affinity": PURE_HASH},

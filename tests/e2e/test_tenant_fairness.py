@@ -39,7 +39,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
             clusters=1,
             sim_args=SIM_ARGS,
             processors=2,
-            sim_start_timeout_s=60.0,
             fleet_overrides={
                 "classes": [
                     {

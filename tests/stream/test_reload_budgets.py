@@ -5,6 +5,7 @@ Through the service's own reload, on its in-memory ledger."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -129,3 +130,54 @@ async def test_the_reload_compiles_off_the_event_loop(
     await reload(service, ["c1", "c2", "c3"], 2)
     assert threads and threading.get_ident() not in threads
     assert isinstance(await decide(service, "after-reload"), Routed)
+
+
+# How long a step may take before the test calls it hung: generous, for a starved machine.
+HANG_S = 60.0
+
+
+async def test_decisions_are_answered_while_each_step_of_a_reload_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each piece of a reload's own work (the compile, the CDS union, the final CDS) is held
+    until a decision made meanwhile has been answered: a step that ran on the event loop would
+    hold the loop too, and the decision would wait for it (Envoy fails such requests open after
+    its message timeout). Order only: nothing here depends on how fast the machine is."""
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(fleet(["c1", "c2"], 2)))
+    opts = ServeOptions(str(path), envoy_cds_path=str(tmp_path / "cds.yaml"), cds_settle_s=0.0)
+    svc = Service(opts, load_runtime(path), path.read_bytes())
+    steps = ("runtime_from_bytes", "write_cds_union", "write_cds")
+    entered = {step: threading.Event() for step in steps}
+    go_on = {step: threading.Event() for step in steps}
+
+    def held(step: str) -> Any:
+        real = getattr(service_module, step)
+
+        def run(*args: Any) -> Any:
+            entered[step].set()
+            assert go_on[step].wait(HANG_S), f"{step} never let go"
+            return real(*args)
+
+        return run
+
+    for step in steps:
+        monkeypatch.setattr(service_module, step, held(step))
+    try:
+        write(svc, ["c1", "c2", "c3"], 2)
+        reloading = asyncio.create_task(svc.reload())
+        for step in steps:
+            assert await asyncio.to_thread(entered[step].wait, HANG_S), f"{step} never ran"
+            answered = await asyncio.wait_for(decide(svc, f"during-{step}"), HANG_S)
+            assert not reloading.done()  # the step is still held: answered meanwhile
+            assert isinstance(answered, Routed), answered
+            await svc.pipeline.release(answered.hold)
+            go_on[step].set()
+        assert await asyncio.wait_for(reloading, HANG_S)
+        assert svc.holder.current.cluster_names == ("c1", "c2", "c3")
+        assert svc.gate.held == 0
+    finally:
+        for event in go_on.values():
+            event.set()
+        await svc.gate.close()
+        await svc.pipeline.aclose()
