@@ -38,6 +38,9 @@ PREFILLER_HEADER = "x-prefiller-host-port"
 # endpoint) the route's request mirror sends the same body to. Internal-only as well.
 PREFILL_MIRROR_HEADER = "x-fleet-prefill-mirror"
 PD_HEADERS = (PREFILLER_HEADER, PREFILL_MIRROR_HEADER)
+# Tracing: the processor's decision span context for the engine, beside traceparent (which a
+# tracing Envoy's router overwrites with its own); moved back by the rendered upstream filter.
+TRACEPARENT_HEADER = "x-fleet-traceparent"
 
 
 def prefill_mirror_cluster(address: str) -> str:

@@ -115,13 +115,17 @@ UPSTREAM_BODY = (
 )
 # Variants of the real processor with an optional feature on: "extproc+affinity" reads response
 # headers (load reports), "extproc+usage" reads response headers and bodies (usage).
-VARIANTS = {
+VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "affinity": {"affinity": {"enabled": True}},
     "usage": {"processor": {"inspect_usage": True}},
     # An Envoy without the graceful ext_proc close (its bootstrap is rendered from this config
     # too): the processor waits for Envoy's reset at every stream end (ARCHITECTURE.md, "End of
     # a stream"), the price this variant shows against the plain extproc row.
     "reset": {"processor": {"envoy_graceful_close": False}},
+    # OpenTelemetry traces on, all sampled or one in a hundred: the processor's decision spans
+    # and Envoy's own, exported over OTLP gRPC to a receiver in the bench process.
+    "trace": {"tracing": {"enabled": True, "sampling_ratio": 1.0}},
+    "trace-1pct": {"tracing": {"enabled": True, "sampling_ratio": 0.01}},
 }
 
 
@@ -325,6 +329,7 @@ class Bench:
         self.fleet_path.write_text(yaml.safe_dump(fleet))
         self.runtime = load_runtime(self.fleet_path)
         self.procs: list[Proc] = []
+        self._sink: Any = None
         # `bench profile --python`: run each processor under extproc.bench.pyprofile, its stats
         # written here as <set-up>.prof.
         self.python_profile: Path | None = None
@@ -350,6 +355,8 @@ class Bench:
         for extra in (BODY_PATH, VARIANTS[variant] if variant else {}):
             for section, values in extra.items():
                 doc[section] = {**doc.get(section, {}), **values}
+        if "tracing" in doc:
+            doc["tracing"]["endpoint"] = self.trace_sink().endpoint
         path = self.workdir / f"fleet-{setup}.yaml"
         path.write_text(yaml.safe_dump(doc))
         return path
@@ -524,10 +531,21 @@ class Bench:
             setup, size, connections, requests, rps, p50, p99, errors, cpu, bypassed, per_req, rss
         )
 
+    def trace_sink(self) -> Any:
+        """The OTLP receiver the tracing variants export to (started when first needed)."""
+        if self._sink is None:
+            from extproc.harness.otlp import Collector
+
+            self._sink = Collector(keep=False).start()
+        return self._sink
+
     def stop_all(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
         self.procs.clear()
+        if self._sink is not None:
+            self._sink.stop()
+            self._sink = None
 
 
 def _envoy_counter(admin: int, name: str) -> int:

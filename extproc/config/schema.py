@@ -938,6 +938,35 @@ class DisaggregationConfig(Strict):
     )
 
 
+class TracingConfig(Strict):
+    """OpenTelemetry traces of the processor's decisions (and of Envoy, rendered), exported
+    over OTLP. Off by default; turning it on needs the ``tracing`` extra (the SDK)."""
+
+    enabled: bool = Field(default=False, description="Export a span per decision.")
+    endpoint: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^/\s]+(/\S*)?$",
+        description="The OTLP collector, e.g. http://collector:4317. Unset: the standard "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT variables; Envoy's "
+        "own tracer is rendered only with an endpoint set here.",
+    )
+    protocol: Literal["grpc", "http/protobuf"] | None = Field(
+        default=None,
+        description="OTLP transport. Unset: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / "
+        "OTEL_EXPORTER_OTLP_PROTOCOL, else grpc.",
+    )
+    sampling_ratio: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of traces started here that are sampled; a request arriving with a "
+        "trace context follows its parent's decision (parent-based).",
+    )
+    service_name: str = Field(
+        default="fleet-extproc", min_length=1, description="The spans' service.name."
+    )
+
+
 class FleetConfig(Strict):
     """fleet.yaml: the fleet's clusters, classes and the processor's settings."""
 
@@ -974,6 +1003,9 @@ class FleetConfig(Strict):
         default=DisaggregationConfig(), description="Prefill choice for disaggregated classes."
     )
     flow: FlowConfig = Field(default=FlowConfig(), description="Flow control before a 429.")
+    tracing: TracingConfig = Field(
+        default=TracingConfig(), description="OpenTelemetry traces (OTLP)."
+    )
     engines: EnginesConfig = Field(
         default=EnginesConfig(), description="Engine choice inside a cluster."
     )

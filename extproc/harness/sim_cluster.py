@@ -92,6 +92,8 @@ FaultMode = Literal["none", "refuse", "error", "slow", "hang", "reset"]
 FAULT_MODES: tuple[str, ...] = get_args(FaultMode)
 
 SERVED_BY = "x-served-by"
+# The traceparent the request arrived with, echoed on a non-streamed answer.
+SIM_TRACEPARENT_HEADER = "x-sim-traceparent"
 # Which engine of the cluster answered (a cluster simulated as several engine processes, each
 # with its own KV cache): how tests and benches see engine stickiness. Only when set.
 SERVED_BY_ENGINE = "x-served-by-engine"
@@ -605,7 +607,12 @@ class SimCluster:
         request_id = request.headers.get("x-request-id", "")
         with self.concurrency.track(request.headers.get(CLASS_HEADER, ""), request_id):
             try:
-                return await self._serve(request, api)
+                response = await self._serve(request, api)
+                parent = request.headers.get("traceparent")
+                if parent is not None and not response.prepared:
+                    # What an engine that traces would take as its span's parent.
+                    response.headers[SIM_TRACEPARENT_HEADER] = parent
+                return response
             except asyncio.CancelledError:
                 # The server cancels the handler when the client disconnects
                 # (handler_cancellation): the engine aborts the request.

@@ -81,6 +81,8 @@ from extproc.pipeline.outcomes import (
     Unavailable,
     Waiting,
 )
+from extproc.tracing import annotate as trace_annotate
+from extproc.tracing import phase as trace_phase
 
 log = logging.getLogger("extproc.server")
 
@@ -323,7 +325,10 @@ class Pipeline:
         runtime = self._runtime.current
         # A preview reads the chain key's learnt chains without counting the request.
         rules = runtime.key_rules if record else dataclasses.replace(runtime.key_rules, learn=False)
-        facts = parse_request(headers.get(":path", ""), headers, body, rules, runtime.parse_limits)
+        with trace_phase("body_parse"):
+            facts = parse_request(
+                headers.get(":path", ""), headers, body, rules, runtime.parse_limits
+            )
         return await self._decide_facts(runtime, api, facts, headers, now, record)
 
     @property
@@ -440,7 +445,8 @@ class Pipeline:
                 self._count_reject(facts, over, headers)
                 return Rejected(facts, route, kind, over)
         if self._gate is not None:
-            admission = await self._admit(self._gate, runtime, facts, route, view, now, tenant)
+            with trace_phase("budget_reservation"):
+                admission = await self._admit(self._gate, runtime, facts, route, view, now, tenant)
             if isinstance(admission, Reject):
                 self._give_tenant(hold)
                 self._count_reject(facts, admission, headers)
@@ -521,8 +527,9 @@ class Pipeline:
             hold.usage_model = route.model
             if runtime.response_link_ttl_s is not None and facts.api is Api.OPENAI_RESPONSES:
                 hold.link_session = facts.session
-        endpoints = self._endpoints(runtime, facts, route) if runtime.endpoint_picker else None
-        named = self._adapter_engines(runtime, facts, route)
+        with trace_phase("engine_pick"):
+            endpoints = self._endpoints(runtime, facts, route) if runtime.endpoint_picker else None
+            named = self._adapter_engines(runtime, facts, route)
         if endpoints == ():
             self._metrics.routes.labels("no_endpoint").inc()
         elif endpoints or named:
@@ -921,7 +928,8 @@ class Pipeline:
         placer = runtime.policy.placer(route)
         point = facts.session.point
         hashed = placer.top2(point)
-        view = await fleet.view(facts, hashed.primary, now, params, record=record, hot=False)
+        with trace_phase("session_lookup"):
+            view = await fleet.view(facts, hashed.primary, now, params, record=record, hot=False)
         balance = params.balance_half_life_s if params.balance_factor > 0 else None
         ranked: list[str] = []
 
@@ -1004,7 +1012,8 @@ class Pipeline:
         salt = mix64(self._decisions)
         if record:
             self._decisions += 1
-        view = await fleet.view(facts, ranked[0], now, params, salt, record=record)
+        with trace_phase("session_lookup"):
+            view = await fleet.view(facts, ranked[0], now, params, salt, record=record)
         balance = params.balance_half_life_s if params.balance_factor > 0 else None
         snapshot = fleet.load.snapshot(ranked, now, self._ready_clusters(runtime), balance)
         # A LoRA adapter's spills, hot-key spreading and moves stay among the clusters that
@@ -1184,6 +1193,11 @@ class Pipeline:
         fair, hold.fair = hold.fair, None
         if fair is not None and self._gate is not None:
             self._gate.charge(fair, self._runtime.current.flow.output_service(usage.output_tokens))
+        trace_annotate(
+            gen_ai__usage__input_tokens=usage.prompt_tokens,
+            gen_ai__usage__output_tokens=usage.output_tokens,
+            gen_ai__usage__cache_read__input_tokens=usage.cached_tokens,
+        )
         m = self._metrics
         m.upstream_input_tokens.labels(cluster, "hit").inc(usage.cached_tokens)
         m.upstream_input_tokens.labels(cluster, "miss").inc(

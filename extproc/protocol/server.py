@@ -21,6 +21,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from extproc import tracing
 from extproc.core.api import BadRequest
 from extproc.pipeline.outcomes import (
     ModelList,
@@ -35,6 +36,10 @@ from extproc.pipeline.pipeline import Pipeline, inference_api
 from extproc.protocol import responses
 from extproc.protocol.attributes import served_address, served_cluster
 from extproc.protocol.state import StreamState
+from extproc.protocol.traced import record_outcome as traced_outcome
+from extproc.protocol.traced import served as traced_served
+from extproc.protocol.traced import with_headers
+from extproc.tracing import DecisionTrace, Tracer, metadata_of
 
 log = logging.getLogger("extproc.server")
 
@@ -114,8 +119,11 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
         reset_linger_s: float = 0.0,
+        tracer: Tracer | None = None,
     ) -> None:
         self.pipeline = pipeline
+        # Tracing on (tracing.enabled): a decision record per stream, exported by the tracer.
+        self._tracer = tracer
         # See ENVOY_RESET_LINGER_S: serve passes it, used only while the runtime says Envoy
         # does not close gracefully; in-process callers that half-close and wait for the status
         # (tests, the fuzz harness) keep 0.
@@ -156,6 +164,10 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         state = StreamState()
         self._active += 1
         requests = aiter(request_iterator)
+        if self._tracer is not None:
+            state.trace = DecisionTrace()
+            state.trace.metadata = metadata_of(context)
+            traced = tracing.begin(state.trace)
         # A read a wait for budget started (_wait_or_leave), still to be taken by the loop.
         pending: asyncio.Future[ep.ProcessingRequest] | None = None
         try:
@@ -174,19 +186,24 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 if isinstance(answer, Waiting):
                     # Queued for budget: keep Envoy's message timer from ending the wait,
                     # then answer the body message when the wait ends.
+                    queued_ns = time.time_ns()
                     try:
                         yield responses.extend_message_timeout(answer.max_wait_s)
                         outcome, pending = await _wait_or_leave(answer, requests)
                     finally:
                         answer.cancel()  # the stream ended first: leave the queue
+                        if state.trace is not None:
+                            self._waited(state.trace, queued_ns)
                     if outcome is None:
                         break  # the peer half-closed while the request waited: the client left
                     if state.waits_at_headers:
-                        yield self._header_answer(state, outcome)
+                        yield self._traced(state, self._header_answer(state, outcome))
                     else:
-                        yield self._answer(state, outcome, responses.CONTINUE_BODY)
+                        yield self._traced(
+                            state, self._answer(state, outcome, responses.CONTINUE_BODY)
+                        )
                 else:
-                    yield answer
+                    yield answer if state.trace is None else self._traced(state, answer)
                 if state.finished:
                     # Nothing more to read or to release: end the call with OK now (the
                     # protocol's "close the stream: no more messages are needed"). Envoy
@@ -213,6 +230,9 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
                 pending.cancel()
             self._active -= 1
             hold, state.hold = state.hold, None
+            if state.trace is not None and self._tracer is not None:
+                self._tracer.close(state.trace)
+                tracing.end(traced)
             # Most exchanges hold nothing (no budget, no affinity): no coroutine for them.
             if hold is not None and hold.held:
                 await self.pipeline.release(hold)
@@ -221,6 +241,24 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def active(self) -> int:
         """ext_proc streams open right now."""
         return self._active
+
+    def _traced(self, state: StreamState, answer: ep.ProcessingResponse) -> ep.ProcessingResponse:
+        """Tracing on: the first answer that carries a decision opens its span, and a routing
+        answer carries the span's context to the upstream (extproc.protocol.traced)."""
+        trace, outcome = state.trace, state.outcome
+        if trace is None or outcome is None or trace.decided_ns is not None:
+            return answer
+        trace.decided()
+        if self._tracer is None or not traced_outcome(trace, outcome):
+            return answer
+        carry = self._tracer.open(trace, state.headers, trace.metadata)
+        return with_headers(answer, carry) if isinstance(outcome, Routed) else answer
+
+    @staticmethod
+    def _waited(trace: DecisionTrace, queued_ns: int) -> None:
+        now = time.time_ns()
+        trace.add_phase("flow_wait", queued_ns, now)
+        trace.attributes["fleet.wait_ms"] = round((now - queued_ns) / 1e6, 3)
 
     @staticmethod
     def _pass(answer: ep.ProcessingResponse) -> Handler:
@@ -358,6 +396,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     ) -> ep.ProcessingResponse:
         """The Envoy answer for an outcome; ``proceed`` is this phase's "continue";
         ``skip_body``: a routing answer to the headers message (the header path)."""
+        if state.trace is not None:
+            state.outcome = outcome
         if isinstance(outcome, Routed):
             state.hold = outcome.hold
             self._phase_answers()
@@ -436,6 +476,8 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             hold, found, self._clock(), served, served_address(request.attributes)
         )
         await pipeline.charge_served(hold)
+        if state.trace is not None:
+            traced_served(state.trace, hold.served_by or served)
         if stream:
             return responses.STREAM_RESPONSE_HEADERS
         return responses.CONTINUE_RESPONSE_HEADERS

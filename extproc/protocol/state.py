@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.core.api import Api
-from extproc.pipeline.outcomes import Hold
+from extproc.pipeline.outcomes import Hold, Outcome
+from extproc.tracing import DecisionTrace
 
 
 @dataclass(slots=True)
@@ -40,3 +41,6 @@ class StreamState:
     # Answered for good: routed, holding nothing, no response phase asked for. The servicer
     # ends the stream with OK right after the answer instead of waiting for Envoy's close.
     finished: bool = False
+    # Tracing on: this exchange's decision record, and the outcome its answer carries.
+    trace: DecisionTrace | None = None
+    outcome: Outcome | None = None

@@ -35,10 +35,18 @@ from extproc.names import (
     FLEET_HEADERS,
     PD_HEADERS,
     ROUTE_HEADER,
+    TRACEPARENT_HEADER,
     WAIT_TIMER_HEADROOM_S,
 )
 from extproc.render.disagg import prefill_mirror_policies, prefill_mirror_targets
 from extproc.render.envoy_served import response_attributes, tag_endpoint
+from extproc.render.envoy_tracing import (
+    collector_cluster,
+    envoy_traces,
+    hcm_tracing,
+    traces,
+    upstream_filters,
+)
 from extproc.render.local_reply import local_reply_config
 
 Mode = Literal["extproc", "round_robin", "ring_hash"]
@@ -645,10 +653,12 @@ def _access_log(path: str) -> list[Json]:
 def internal_only_headers(runtime: Runtime) -> list[str]:
     """Headers only a trusted hop may set: the processor's own (with the P/D prefiller header,
     which makes the decode-side sidecar dial a host), the tenant tier and the tenant (a
-    client naming another tenant would take its share and its limits)."""
+    client naming another tenant would take its share and its limits), and with tracing the
+    processor's trace context for the engine."""
     cfg = runtime.config
     trusted = [h for h in (cfg.session.tier_header, cfg.flow.tenant_header) if h]
-    return [*FLEET_HEADERS, *PD_HEADERS, *dict.fromkeys(trusted)]
+    trace = [TRACEPARENT_HEADER] if traces(runtime) else []
+    return [*FLEET_HEADERS, *PD_HEADERS, *dict.fromkeys(trusted), *trace]
 
 
 def _path_normalisation() -> Json:
@@ -715,12 +725,10 @@ def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
     filters: list[Json] = []
     if opts.mode == "extproc":
         filters.append(_ext_proc_filter(runtime))
-    filters.append(
-        {
-            "name": "envoy.filters.http.router",
-            "typed_config": {"@type": ext_type("filters.http.router.v3.Router")},
-        }
-    )
+    router: Json = {"@type": ext_type("filters.http.router.v3.Router")}
+    if opts.mode == "extproc" and traces(runtime):
+        router["upstream_http_filters"] = upstream_filters()
+    filters.append({"name": "envoy.filters.http.router", "typed_config": router})
     listener = runtime.config.listener
     hcm: Json = {
         "@type": ext_type("filters.network.http_connection_manager.v3.HttpConnectionManager"),
@@ -750,6 +758,8 @@ def _http_connection_manager(runtime: Runtime, opts: EnvoyOptions) -> Json:
     }
     if opts.access_log_path:
         hcm["access_log"] = _access_log(opts.access_log_path)
+    if envoy_traces(runtime):
+        hcm["tracing"] = hcm_tracing(runtime)
     return hcm
 
 
@@ -770,6 +780,7 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
             *_model_pools(runtime, pool),
             *_prefill_mirrors(runtime, opts),
             _extproc_cluster(runtime, opts),
+            *([collector_cluster(runtime)] if envoy_traces(runtime) else []),
         ]
     clusters: list[Cluster] = list(runtime.clusters)
     out = [_inference_cluster(c.name, list(c.endpoints), c.health_path, opts) for c in clusters]
@@ -804,6 +815,8 @@ def _clusters(runtime: Runtime, opts: EnvoyOptions) -> list[Json]:
         out.extend(_aggregate(p.name, s.name) for p, s in itertools.permutations(clusters, 2))
         out.extend(_prefill_mirrors(runtime, opts))
         out.append(_extproc_cluster(runtime, opts))
+    if envoy_traces(runtime):
+        out.append(collector_cluster(runtime))
     return out
 
 

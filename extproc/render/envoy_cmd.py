@@ -11,7 +11,7 @@ import yaml
 from extproc.config import ConfigError, load_runtime
 from extproc.render import write_output
 from extproc.render.envoy import MODES, EnvoyOptions, render_bootstrap
-from extproc.render.envoy_parts import PARTS, Part, render_part
+from extproc.render.envoy_parts import ALL_PARTS, Part, render_part
 from extproc.render.envoy_xds import xds_bootstrap
 
 
@@ -33,11 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--part",
-        choices=PARTS,
+        choices=ALL_PARTS,
         default=None,
         help="print one drop-in part for an existing Envoy instead of the whole bootstrap "
         "(filter: the ext_proc HTTP filter; clusters: every cluster it needs; routes: the "
-        "route_config); see envoy/README.md",
+        "route_config; tracing: Envoy's tracer and the router's upstream filters); see "
+        "envoy/README.md",
     )
     parser.add_argument(
         "--xds",

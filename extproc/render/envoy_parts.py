@@ -10,6 +10,8 @@ the complete bootstrap (extproc/render/envoy.py), so the parts and the bootstrap
 - ``clusters``: every cluster the filter and routes name (the inference clusters, their
   (primary, secondary) aggregates, the fallback cluster, the processor's cluster), a list to
   append to ``static_resources.clusters``;
+- ``tracing`` (tracing on only): the connection manager's ``tracing`` block and the router's
+  upstream filters (extproc/render/envoy_tracing.py);
 - ``routes``: a ``route_config`` with the routing-header route, the fallback route, and the
   ``internal_only_headers`` that stop a client from choosing its own cluster or class. A host
   with its own virtual hosts copies the two routes into the virtual host that serves the
@@ -27,8 +29,12 @@ from typing import Any, Literal
 from extproc.config.runtime import Runtime
 from extproc.render.envoy import EnvoyOptions, render_bootstrap
 
-Part = Literal["filter", "clusters", "routes"]
+Part = Literal["filter", "clusters", "routes", "tracing"]
+# The parts envoy/parts/ holds (for compose/fleet.yaml, which does not trace).
 PARTS: tuple[Part, ...] = ("filter", "clusters", "routes")
+# With tracing on: the connection manager's ``tracing`` block and the router's upstream filters.
+ALL_PARTS: tuple[Part, ...] = (*PARTS, "tracing")
+ROUTER = "envoy.filters.http.router"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 
 Json = dict[str, Any]
@@ -51,7 +57,24 @@ def render_part(runtime: Runtime, part: Part, opts: EnvoyOptions | None = None) 
         return bootstrap["static_resources"]["clusters"]
     if part == "routes":
         return hcm["route_config"]
-    raise ValueError(f"unknown part {part!r}; expected one of {', '.join(PARTS)}")
+    if part == "tracing":
+        return tracing_part(hcm)
+    raise ValueError(f"unknown part {part!r}; expected one of {', '.join(ALL_PARTS)}")
+
+
+def tracing_part(hcm: Json) -> Json:
+    """Tracing on (tracing.enabled): what the host's connection manager takes, ``tracing``
+    (Envoy's own tracer, with tracing.endpoint), and what its router takes, the upstream filters
+    that hand the processor's trace context to the engine. The collector's cluster is in the
+    ``clusters`` part. Empty with tracing off."""
+    out: Json = {}
+    if "tracing" in hcm:
+        out["http_connection_manager"] = {"tracing": hcm["tracing"]}
+    (router,) = [f for f in hcm["http_filters"] if f["name"] == ROUTER]
+    upstream = router["typed_config"].get("upstream_http_filters")
+    if upstream:
+        out["router"] = {"upstream_http_filters": upstream}
+    return out
 
 
 def host_requirements(runtime: Runtime) -> Json:

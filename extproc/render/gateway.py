@@ -50,6 +50,7 @@ from extproc.render.envoy import (
     runtime_flags,
     runtime_layer,
 )
+from extproc.render.envoy_tracing import collector_address, envoy_traces
 
 Json = dict[str, Any]
 Mode = Literal["envoy-gateway", "inference-pool", "all"]
@@ -793,15 +794,53 @@ def render_envoy_proxy(runtime: Runtime, opts: GatewayOptions) -> Json | None:
     (or its GatewayClass's parametersRef) names it: Envoy Gateway does not apply an EnvoyProxy
     nothing references."""
     flags = runtime_flags(runtime)
-    if not flags:
+    tracing = envoy_traces(runtime)
+    if not flags and not tracing:
         return None
-    value = yaml.safe_dump({"layered_runtime": {"layers": [runtime_layer(flags)]}}, sort_keys=False)
+    spec: Json = {}
+    if flags:
+        layers = {"layered_runtime": {"layers": [runtime_layer(flags)]}}
+        spec["bootstrap"] = {"type": "Merge", "value": yaml.safe_dump(layers, sort_keys=False)}
+    if tracing:
+        spec["telemetry"] = {"tracing": _proxy_tracing(runtime, opts)}
     return _object(
         ENVOY_GATEWAY + "/v1alpha1",
         "EnvoyProxy",
         _meta(PROCESSOR, opts.gateway_ns, "proxy"),
-        spec={"bootstrap": {"type": "Merge", "value": value}},
+        spec=spec,
     )
+
+
+TRACE_COLLECTOR = "fleet-otel-collector"
+# Envoy Gateway's sampling fraction: the ratio in ten-thousandths.
+SAMPLING_DENOMINATOR = 10_000
+
+
+def _proxy_tracing(runtime: Runtime, opts: GatewayOptions) -> Json:
+    """Envoy Gateway's OpenTelemetry tracer, to the collector of tracing.endpoint (a Backend),
+    sampling requests without a trace context at tracing.sampling_ratio (one with a context
+    follows its parent's flag, as the processor does)."""
+    cfg = runtime.config.tracing
+    ratio = round(cfg.sampling_ratio * SAMPLING_DENOMINATOR)
+    backend = {"group": ENVOY_GATEWAY, "kind": "Backend", "name": TRACE_COLLECTOR}
+    if opts.gateway_ns != opts.namespace:
+        backend["namespace"] = opts.namespace
+    return {
+        "samplingFraction": {"numerator": ratio, "denominator": SAMPLING_DENOMINATOR},
+        "provider": {
+            "type": "OpenTelemetry",
+            "backendRefs": [backend],
+        },
+    }
+
+
+def render_trace_collector(runtime: Runtime, opts: GatewayOptions) -> list[Json]:
+    """The collector of tracing.endpoint as a Backend, when Envoy Gateway traces to it."""
+    if not envoy_traces(runtime):
+        return []
+    host, port, _grpc = collector_address(runtime)
+    endpoint = parse_endpoint(f"{host}:{port}", "tracing.endpoint")
+    return [render_backend(TRACE_COLLECTOR, [endpoint], opts, fallback=False)]
 
 
 def render_envoy_gateway(runtime: Runtime, opts: GatewayOptions) -> list[Json]:
@@ -980,6 +1019,7 @@ def render_manifests(
         )
     objs = render_processor(runtime, opts, config_text)
     objs.append(render_client_policy(runtime, opts))
+    objs += render_trace_collector(runtime, opts)
     proxy = render_envoy_proxy(runtime, opts)
     if proxy is not None:
         objs.append(proxy)

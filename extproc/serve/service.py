@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from envoy.service.cluster.v3 import cds_pb2_grpc
@@ -38,6 +39,7 @@ from extproc.config.drain import drain_times
 from extproc.config.label_secret import LabelSecret, warn_if_per_process
 from extproc.config.load import runtime_from_bytes
 from extproc.config.runtime import Discovered, Overrides, with_discovered_models, with_sketch
+from extproc.config.schema import TracingConfig
 from extproc.core.admission import request_tokens
 from extproc.core.chains import ChainSketch
 from extproc.ledger.census import ReplicaCensus
@@ -68,6 +70,9 @@ from extproc.serve.admin import AdminApp, start_admin
 from extproc.serve.drain import drain
 from extproc.serve.logs import setup_logging
 from extproc.serve.loop_monitor import LoopMonitor
+
+if TYPE_CHECKING:
+    from extproc.tracing.otel import DecisionTracer
 
 log = logging.getLogger("extproc.serve")
 
@@ -440,7 +445,10 @@ class Service:
         cfg = self.holder.current.config
         reuse = self.opts.workers > 1
         server = grpc.aio.server(options=grpc_options(cfg.processor.max_body_bytes, reuse))
-        processor = FleetProcessor(self.pipeline, self.clock, reset_linger_s=ENVOY_RESET_LINGER_S)
+        tracer = build_tracer(cfg.tracing)
+        processor = FleetProcessor(
+            self.pipeline, self.clock, reset_linger_s=ENVOY_RESET_LINGER_S, tracer=tracer
+        )
         ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         if self.xds is not None and self.eds is not None:
@@ -538,6 +546,9 @@ class Service:
             await self.endpoint_health.close()
         await self.loop_monitor.stop()
         await runner.cleanup()
+        if tracer is not None:
+            # Exports what is still queued; the SDK's exporter blocks, so off the loop.
+            await asyncio.to_thread(tracer.shutdown)
         log.info(
             "stopped",
             extra={
@@ -582,6 +593,18 @@ def _health_paths(runtime: Runtime) -> dict[str, str]:
 def _file_bytes(path: Path) -> bytes:
     # A config file is a few KB: reading it on the loop is cheaper than a thread hop.
     return path.read_bytes()
+
+
+def build_tracer(cfg: TracingConfig) -> DecisionTracer | None:
+    """The decision tracer when tracing is on; with it off, OpenTelemetry is never imported.
+    Read at start: turning tracing on or off takes a restart."""
+    if not cfg.enabled:
+        return None
+    from extproc.tracing.otel import DecisionTracer
+
+    tracer = DecisionTracer(cfg)
+    log.info("tracing", extra={"endpoint": cfg.endpoint, "sampling_ratio": cfg.sampling_ratio})
+    return tracer
 
 
 async def serve(opts: ServeOptions) -> int:

@@ -29,6 +29,7 @@ SERVING = {
     "render",
     "serve",
     "names",
+    "tracing",
 }
 # Development and evaluation tools: they may import the serving path, never the reverse.
 TOOLING = {"harness", "bench", "sim", "reliability"}

@@ -1,0 +1,66 @@
+"""An OTLP trace receiver (the OpenTelemetry protocol's gRPC TraceService) for tests and
+benchmarks: keeps every span it is sent, with its resource's service.name."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from extproc.harness.launch import LOOPBACK
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """Spans as (service.name, span); ``keep=False`` only counts them (a benchmark's sink)."""
+
+    def __init__(self, keep: bool = True) -> None:
+        self.lock = threading.Lock()
+        self.keep = keep
+        self.count = 0
+        self.spans: list[tuple[str, trace_pb2.Span]] = []
+        self._server: grpc.Server | None = None
+        self.port = 0
+
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        with self.lock:
+            for resource_spans in request.resource_spans:
+                service = next(
+                    (
+                        a.value.string_value
+                        for a in resource_spans.resource.attributes
+                        if a.key == "service.name"
+                    ),
+                    "",
+                )
+                for scope in resource_spans.scope_spans:
+                    self.count += len(scope.spans)
+                    if self.keep:
+                        self.spans.extend((service, span) for span in scope.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def of_trace(self, trace_id: bytes) -> list[tuple[str, trace_pb2.Span]]:
+        with self.lock:
+            return [(s, span) for s, span in self.spans if span.trace_id == trace_id]
+
+    def start(self) -> Collector:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, server)  # type: ignore[no-untyped-call]
+        self.port = server.add_insecure_port(f"{LOOPBACK}:0")
+        server.start()
+        self._server = server
+        return self
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=None)
+            self._server = None
