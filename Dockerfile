@@ -16,8 +16,11 @@ WORKDIR /src
 
 # Dependencies first, in their own layer: a code change does not reinstall them. The list is
 # read from pyproject.toml so it cannot drift; versions are pinned by constraints.txt.
+# EXTRAS: optional extras to add, comma-separated (e.g. --build-arg EXTRAS=tracing for
+# OpenTelemetry traces, docs/tracing.md); none by default.
+ARG EXTRAS=""
 COPY pyproject.toml constraints.txt ./
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" > requirements.txt \
+RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; extras = [e for e in os.environ.get('EXTRAS', '').split(',') if e]; print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" > requirements.txt \
  && pip install -c constraints.txt -r requirements.txt
 
 COPY README.md ./
