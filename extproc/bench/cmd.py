@@ -22,6 +22,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "layouts": ("extproc.bench.layouts", "a shared opening in each position: old vs chain key"),
     "wake": ("extproc.bench.wake", "waiters woken by releases: memory, Redis pub/sub, polling"),
     "scale": ("extproc.bench.scale", "16-512 clusters: pair aggregates vs one pool"),
+    "peers": ("extproc.bench.peers", "against vLLM Router and the SGLang gateway, same engines"),
 }
 
 

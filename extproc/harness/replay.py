@@ -85,6 +85,9 @@ class ReplayOptions:
     headers: Mapping[str, str] = field(default_factory=dict)
     progress: Callable[[str], None] | None = None
     progress_interval_s: float = 2.0
+    # More front doors beside the replay's target: request i goes to the (i mod n)-th of
+    # [target, *more_targets] (a client balancing over router replicas, or over engines).
+    more_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.speedup > 0:
@@ -305,6 +308,7 @@ class _Runner:
     ) -> None:
         self.requests = requests
         self.target = target.rstrip("/")
+        self.targets = [self.target, *(t.rstrip("/") for t in options.more_targets)]
         self.options = options
         self.clock = clock
         self.outcomes: list[RequestOutcome | None] = [None] * len(requests)
@@ -323,9 +327,13 @@ class _Runner:
         return headers
 
     async def attempt(
-        self, session: aiohttp.ClientSession, request: ReplayRequest, payload: bytes
+        self,
+        session: aiohttp.ClientSession,
+        request: ReplayRequest,
+        payload: bytes,
+        target: str | None = None,
     ) -> _Attempt:
-        url = self.target + request.path
+        url = (target or self.target) + request.path
         try:
             # A fresh BytesIO per attempt: aiohttp streams it (raw bytes over 1 MiB, common
             # for long-context prompts, trigger a ResourceWarning) and still sends a
@@ -417,7 +425,8 @@ class _Runner:
         retries = 0
         try:
             while True:
-                result = await self.attempt(session, request, payload)
+                target = self.targets[index % len(self.targets)]
+                result = await self.attempt(session, request, payload, target)
                 if result.outcome != "429" or not options.retry_429:
                     break
                 if retries >= options.max_retries:
