@@ -7,6 +7,7 @@ does; CPU time and resident memory are read from ``/proc`` for a router's whole 
 
 from __future__ import annotations
 
+import http.client
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -193,6 +194,12 @@ class EngineFleet:
         self._launch(name)
         self.wait_ready(name)
 
+    def reset(self, timeout_s: float = 60.0) -> None:
+        """Every engine fresh again (empty cache, no queue) once its last request is done."""
+        for name in self.names:
+            wait_until(lambda n=name: _post(self.ports[n], "/admin/reset") == 200, timeout_s,
+                       f"engine {name} reset", 0.2)  # fmt: skip
+
     def counters(self) -> dict[str, EngineCounters]:
         out: dict[str, EngineCounters] = {}
         for name in self.names:
@@ -210,6 +217,19 @@ class EngineFleet:
     def stop(self) -> None:
         for proc in self.procs.values():
             proc.stop()
+
+
+def _post(port: int, path: str) -> int:
+    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=5.0)
+    try:
+        conn.request("POST", path, body=b"")
+        response = conn.getresponse()
+        response.read()
+        return response.status
+    except OSError:
+        return 0
+    finally:
+        conn.close()
 
 
 def counter_deltas(

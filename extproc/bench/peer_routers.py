@@ -56,6 +56,7 @@ PEER_ARGS: Mapping[str, tuple[str, ...]] = {
 # clients without session ids (docs/peers.md says why each is there).
 TUNED: Mapping[str, Any] = {
     "engine_metrics": {"enabled": True},
+    "affinity": {"enabled": True},
 }
 
 

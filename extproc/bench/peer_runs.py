@@ -132,17 +132,25 @@ def _redis(workdir: Path) -> Any:
     return redis
 
 
-def execute(spec: RunSpec, ctx: Context) -> RunResult:
+def start_fleet(placement: Placement, ctx: Context, name: str) -> EngineFleet:
+    """The engines of one part, started with the client's CPUs (they inherit them)."""
+    workdir = ctx.out_dir / "logs" / f"{name}-engines"
+    shutil.rmtree(workdir, ignore_errors=True)
+    pin_self(placement_cpus(placement)[0])
+    return EngineFleet(workdir, ctx.engines.count, ctx.engines.sim_args()).start()
+
+
+def execute(spec: RunSpec, ctx: Context, fleet: EngineFleet) -> RunResult:
+    """One set-up on ``fleet``, fresh again (reset, or a new process where one was killed)."""
     workdir = ctx.out_dir / "logs" / spec.slug
     shutil.rmtree(workdir, ignore_errors=True)
     client_cpus, router_cpus = placement_cpus(spec.placement)
     started = time.monotonic()
     pin_self(client_cpus)
-    fleet = EngineFleet(workdir, ctx.engines.count, ctx.engines.sim_args())
+    fleet.reset()
     redis = None
     router: Router | None = None
     try:
-        fleet.start()
         if spec.replicas > 1 and spec.setup.startswith("extproc"):
             redis = _redis(workdir)
         router = make_router(
@@ -161,10 +169,8 @@ def execute(spec: RunSpec, ctx: Context) -> RunResult:
     finally:
         if router is not None:
             router.stop()
-        fleet.stop()
         if redis is not None:
             redis.stop()
-        pin_self(all_cpus())
 
 
 def _measure(

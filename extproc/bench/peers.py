@@ -36,8 +36,9 @@ import orjson
 
 from extproc.bench import peer_report as report
 from extproc.bench import peer_workloads as wl
+from extproc.bench.peer_procs import EngineFleet
 from extproc.bench.peer_routers import PEER_ARGS, PEER_VERSIONS, SETUPS, TUNED
-from extproc.bench.peer_runs import Context, Engines, RunSpec, execute, log
+from extproc.bench.peer_runs import Context, Engines, RunSpec, execute, log, start_fleet
 from extproc.harness.prompts import BLOCK_TOKENS
 
 PARTS: tuple[str, ...] = ("main", "shared", "replicas", "faults", "ramp")
@@ -159,19 +160,27 @@ class Matrix:
             "engines": dataclasses.asdict(ctx.engines),
         }
         rows = []
-        for setup in self.setups:
-            if setup == "direct" and (spec.get("replicas", 1) > 1 or spec.get("faults")):
-                continue  # the floor has no replicas and nothing to restart
-            log(f"== {key}: {report.LABELS.get(setup, setup)} ==")
-            run = execute(RunSpec(setup, workload, **spec), ctx)
-            rows.append(report.figures(run, ideal))
-            if spec.get("faults"):
-                self.faults.append(report.fault_row(run))
-            if workload.steps:
-                bound = self.args.ttft_bound_ms / 1000
-                self.ramp.append(report.ramp_row(run, workload.steps, self.args.ramp_step, bound))
+        fleet = start_fleet(spec.get("placement", "isolated"), ctx, _slug(key))
+        try:
+            for setup in self.setups:
+                if setup == "direct" and (spec.get("replicas", 1) > 1 or spec.get("faults")):
+                    continue  # the floor has no replicas and nothing to restart
+                log(f"== {key}: {report.LABELS.get(setup, setup)} ==")
+                rows.append(self._one(RunSpec(setup, workload, **spec), ctx, fleet, ideal))
+        finally:
+            fleet.stop()
         self.rows[key] = rows
         return rows
+
+    def _one(self, spec: RunSpec, ctx: Context, fleet: EngineFleet, ideal: float) -> dict[str, Any]:
+        workload = spec.workload
+        run = execute(spec, ctx, fleet)
+        if spec.faults:
+            self.faults.append(report.fault_row(run))
+        if workload.steps:
+            bound = self.args.ttft_bound_ms / 1000
+            self.ramp.append(report.ramp_row(run, workload.steps, self.args.ramp_step, bound))
+        return report.figures(run, ideal)
 
     def run(self, parts: Sequence[str], workloads: Sequence[str]) -> None:
         args = self.args
@@ -188,6 +197,10 @@ class Matrix:
         if "ramp" in parts:
             rates = [float(r) for r in _split(args.ramp_rates)]
             self.run_all(wl.ramp(args.seed, rates, args.ramp_step), "ramp")
+
+
+def _slug(key: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in key)
 
 
 def _split(text: str) -> list[str]:

@@ -19,7 +19,9 @@ real OpenAI-compatible / Anthropic-compatible backend:
   the peaks; ``GET /admin/requests?since=<unix time>``: the last 50,000 finished requests as
   [``x-request-id``, class, start, end] (wall clock), for `extproc chaos`'s diagnosis of a peak;
 - ``GET /admin/executions``: generations started, per ``x-request-id`` (Envoy keeps the id
-  across retries, so a count above 1 is a generation that ran twice).
+  across retries, so a count above 1 is a generation that ran twice);
+- ``POST /admin/reset``: an empty prefix cache and no queue, as a new process would have
+  (409 while a request is in flight); counters keep counting.
 
 Every response names the cluster in ``x-served-by`` (how e2e tests and the replayer see where
 Envoy routed a request) and every inference response carries a load report twice: the ORCA
@@ -460,6 +462,7 @@ class SimCluster:
         app.router.add_delete("/admin/concurrency", self._reset_concurrency)
         app.router.add_get("/admin/requests", self._get_requests)
         app.router.add_get("/admin/executions", self._get_executions)
+        app.router.add_post("/admin/reset", self._reset)
         return app
 
     # -- small endpoints -------------------------------------------------------------------
@@ -480,6 +483,17 @@ class SimCluster:
         if self.config.engine_id:
             return {SERVED_BY: self.config.name, SERVED_BY_ENGINE: self.config.engine_id}
         return {SERVED_BY: self.config.name}
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        """A fresh engine without a new process: empty prefix cache, no stored responses, no
+        executions counted (a benchmark's fresh fleet for each set-up). Counters keep counting:
+        readers take differences. Refused (409) while a request is in flight."""
+        if self.model.load(self._clock()).inflight:
+            return web.json_response({"status": "busy"}, status=409, headers=self._base_headers())
+        self.model = ClusterModel(self.config.params)
+        self.executions.clear()
+        self.responses = ResponseStore()
+        return web.json_response({"status": "reset"}, headers=self._base_headers())
 
     async def _health(self, request: web.Request) -> web.Response:
         if self._fault.mode == "refuse":
