@@ -112,30 +112,42 @@ class EngineCounters:
 
 
 def parse_counters(text: str) -> EngineCounters:
-    """vLLM's prefix-cache counters and the simulator's request count from /metrics text."""
+    """Prompt tokens queried / served from the prefix cache, and requests answered, from an
+    engine's /metrics: vLLM's prefix-cache counters and the simulator's request count, or
+    llama.cpp's evaluated and reused prompt tokens (it counts no requests: its ``requests``
+    are its prompt tokens, so max/mean over engines is over tokens there)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    queried = cached = requests = 0.0
+    queried = cached = requests = evaluated = reused = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "vllm:prefix_cache_queries_total":
+            name = sample.name
+            if name == "vllm:prefix_cache_queries_total":
                 queried += sample.value
-            elif sample.name == "vllm:prefix_cache_hits_total":
+            elif name == "vllm:prefix_cache_hits_total":
                 cached += sample.value
-            elif sample.name == "sim_requests_total" and sample.labels.get("code") == "200":
+            elif name == "sim_requests_total" and sample.labels.get("code") == "200":
                 requests += sample.value
+            elif name == "llamacpp:prompt_tokens_total":
+                evaluated += sample.value
+            elif name == "llamacpp:prompt_tokens_cached_total":
+                reused += sample.value
+    if evaluated or reused:
+        return EngineCounters(evaluated + reused, reused, evaluated + reused)
     return EngineCounters(queried, cached, requests)
 
 
 @dataclass
 class EngineFleet:
-    """``count`` simulated engines playing vLLM (``sim-cluster --engine vllm``), e1..eN, each
-    its own process on its own loopback port."""
+    """``count`` engines e1..eN, each its own process on its own loopback port: simulated
+    engines playing vLLM (``sim-cluster --engine vllm``), or, with ``llamacpp_model``, real
+    llama.cpp servers (``extproc.harness.real_engines``) serving that GGUF as ``sim``."""
 
     workdir: Path
     count: int
     sim_args: tuple[str, ...]
     start_timeout_s: float = 90.0
+    llamacpp_model: Path | None = None
     procs: dict[str, Proc] = field(default_factory=dict, init=False)
     ports: dict[str, int] = field(default_factory=dict, init=False)
 
@@ -168,6 +180,8 @@ class EngineFleet:
     def _launch(self, name: str) -> None:
         argv = [sys.executable, "-m", "extproc", "sim-cluster", "--name", name, "--engine"]
         argv += ["vllm", "--port", str(self.ports[name]), *self.sim_args]
+        if self.llamacpp_model is not None:
+            argv = llamacpp_argv(self.llamacpp_model, self.ports[name])
         proc = Proc(f"engine-{name}", argv, self.workdir / f"engine-{name}.log")
         proc.start()
         self.procs[name] = proc
@@ -195,7 +209,15 @@ class EngineFleet:
         self.wait_ready(name)
 
     def reset(self, timeout_s: float = 60.0) -> None:
-        """Every engine fresh again (empty cache, no queue) once its last request is done."""
+        """Every engine fresh again (empty cache, no queue) once its last request is done: a
+        simulated one resets, a real one is started again."""
+        if self.llamacpp_model is not None:
+            for name in self.names:
+                self.procs[name].stop()
+                self._launch(name)
+            for name in self.names:
+                self.wait_ready(name)
+            return
         for name in self.names:
             wait_until(lambda n=name: _post(self.ports[n], "/admin/reset") == 200, timeout_s,
                        f"engine {name} reset", 0.2)  # fmt: skip
@@ -217,6 +239,21 @@ class EngineFleet:
     def stop(self) -> None:
         for proc in self.procs.values():
             proc.stop()
+
+
+# llama.cpp as a GPU-like engine: no host-RAM prompt cache (a prefix that lost its slot costs
+# a full prefill again), 2 slots with 8,192 tokens of context each, one thread.
+LLAMACPP_SLOTS = 2
+LLAMACPP_CTX = 16384
+
+
+def llamacpp_argv(model: Path, port: int) -> list[str]:
+    from extproc.harness.real_engines import llamacpp
+
+    spec = llamacpp.LlamaCppSpec(
+        model, "sim", n_ctx=LLAMACPP_CTX, slots=LLAMACPP_SLOTS, threads=1, cache_ram_mib=0
+    )
+    return llamacpp.LlamaCppEngine("engine", Path("."), spec).argv(port)
 
 
 def _post(port: int, path: str) -> int:

@@ -181,6 +181,7 @@ class Processor:
     tuned: bool = False
     replicas: int = 1
     redis_url: str | None = None
+    tuning: Mapping[str, Any] = field(default_factory=lambda: dict(TUNED))
     stacks: list[FleetStack] = field(default_factory=list, init=False)
 
     def overrides(self) -> dict[str, Any]:
@@ -188,7 +189,9 @@ class Processor:
         # machine; the defaults set-up gets the product's default back.
         out: dict[str, Any] = {"processor": {"message_timeout_ms": 2000}}
         if self.tuned:
-            out.update(TUNED)
+            for key, value in self.tuning.items():
+                both = isinstance(value, dict) and isinstance(out.get(key), dict)
+                out[key] = {**out[key], **value} if both else value
         if self.redis_url is not None:
             out["redis"] = {"url": self.redis_url}
         return out
@@ -240,11 +243,13 @@ def make_router(
     bin_dir: Path | None,
     replicas: int = 1,
     redis_url: str | None = None,
+    tuning: Mapping[str, Any] | None = None,
 ) -> Router:
     if setup == "direct":
         return Direct(engine_urls)
     if setup in ("extproc", "extproc-tuned"):
-        return Processor(engine_ports, workdir, setup == "extproc-tuned", replicas, redis_url)
+        tuned = setup == "extproc-tuned"
+        return Processor(engine_ports, workdir, tuned, replicas, redis_url, dict(tuning or TUNED))
     if setup.split(":", 1)[0] in PEER_COMMANDS and bin_dir is not None:
         return Peer(setup, bin_dir, engine_urls, workdir, replicas)
     raise ValueError(f"unknown set-up {setup!r}; choose from {', '.join(SETUPS)}")

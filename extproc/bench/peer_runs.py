@@ -12,7 +12,7 @@ import asyncio
 import shutil
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -106,6 +106,9 @@ class Context:
     engines: Engines
     bin_dir: Path | None
     progress: Callable[[str], None] | None = None
+    tuned: Mapping[str, Any] = field(default_factory=dict)
+    # Real llama.cpp engines serving this GGUF instead of simulated ones.
+    llamacpp_model: Path | None = None
 
 
 def placement_cpus(placement: Placement) -> tuple[set[int], set[int]]:
@@ -137,7 +140,10 @@ def start_fleet(placement: Placement, ctx: Context, name: str) -> EngineFleet:
     workdir = ctx.out_dir / "logs" / f"{name}-engines"
     shutil.rmtree(workdir, ignore_errors=True)
     pin_self(placement_cpus(placement)[0])
-    return EngineFleet(workdir, ctx.engines.count, ctx.engines.sim_args()).start()
+    fleet = EngineFleet(workdir, ctx.engines.count, ctx.engines.sim_args())
+    fleet.llamacpp_model = ctx.llamacpp_model
+    fleet.start_timeout_s = 180.0 if ctx.llamacpp_model else 90.0
+    return fleet.start()
 
 
 def execute(spec: RunSpec, ctx: Context, fleet: EngineFleet) -> RunResult:
@@ -161,6 +167,7 @@ def execute(spec: RunSpec, ctx: Context, fleet: EngineFleet) -> RunResult:
             ctx.bin_dir,
             spec.replicas,
             None if redis is None else redis.url,
+            ctx.tuned,
         )
         router.start()
         if router_cpus != client_cpus:

@@ -66,9 +66,10 @@ def streamed(requests: Sequence[ReplayRequest]) -> list[ReplayRequest]:
 
 
 def chat(seed: int, duration_s: float, sessions_per_s: float) -> PeerWorkload:
+    """Sessions start within ``duration_s``; each plays all its turns (up to ~8 s later)."""
     config = WorkloadConfig(
         seed=seed,
-        duration_s=duration_s,
+        duration_s=duration_s + 8.0,
         chat_sessions_per_s=sessions_per_s,
         chat_turns=(3, 5),
         chat_think_s=1.5,
@@ -80,7 +81,10 @@ def chat(seed: int, duration_s: float, sessions_per_s: float) -> PeerWorkload:
         output_tokens=(16, 48),
         session_header_share=0.5,
     )
-    requests = generate_workload(config)
+    first: dict[str | None, float] = {}
+    for r in generate_workload(config):
+        first.setdefault(r.session_id, r.arrival_s)
+    requests = [r for r in generate_workload(config) if first[r.session_id] < duration_s]
     return PeerWorkload(
         "chat",
         f"multi-turn chat, {sessions_per_s:g} sessions/s for {duration_s:g} s, 3-5 turns, two "

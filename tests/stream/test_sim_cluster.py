@@ -134,6 +134,30 @@ async def test_second_request_sharing_a_prefix_reports_the_shared_blocks_as_cach
     assert float(headers_2["x-sim-ttft-ms"]) < float(headers_1["x-sim-ttft-ms"])
 
 
+async def test_reset_empties_the_cache_and_is_refused_while_a_request_runs(
+    http: aiohttp.ClientSession,
+) -> None:
+    slow = ClusterParams(prefill_tps=20_000.0, decode_tps=50.0, time_scale=1.0)  # 0.4 s each
+    running = await start_sim_cluster(SimClusterConfig(name="c8", params=slow, max_output=16))
+    try:
+        url = running.url + "/v1/chat/completions"
+        body = chat("r" * 5000, max_tokens=16)
+        await post(http, url, body)
+        in_flight = asyncio.create_task(post(http, url, body))
+        while not running.cluster.model.load(time.monotonic()).inflight:
+            await asyncio.sleep(0.005)
+        status, _, _ = await post(http, running.url + "/admin/reset", {})
+        assert status == 409  # a request is running
+        cached = orjson.loads((await in_flight)[2])["usage"]["prompt_tokens_details"]
+        assert cached["cached_tokens"] > 0
+        status, _, _ = await post(http, running.url + "/admin/reset", {})
+        assert status == 200
+        _, _, raw = await post(http, url, body)
+        assert orjson.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    finally:
+        await running.close()
+
+
 async def test_chat_stream_sends_chunks_then_usage_then_done(
     sim: RunningSimCluster, http: aiohttp.ClientSession
 ) -> None:
