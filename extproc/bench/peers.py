@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import venv
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -65,9 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--llamacpp-engines", type=int, default=4, help="llamacpp part")
     parser.add_argument("--engines", type=int, default=8, help="simulated engines (vLLM)")
-    parser.add_argument("--duration", type=float, default=8.0, help="s of session arrivals")
+    parser.add_argument("--duration", type=float, default=6.0, help="s of session arrivals")
     parser.add_argument("--chat-rate", type=float, default=8.0, help="chat sessions per s")
-    parser.add_argument("--trace-requests", type=int, default=150)
+    parser.add_argument("--trace-requests", type=int, default=120)
     parser.add_argument("--concurrency", type=int, default=16, help="closed loop (trace)")
     parser.add_argument("--prefill-tps", type=float, default=10_000.0)
     parser.add_argument("--decode-tps", type=float, default=100.0)
@@ -75,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-output", type=int, default=32)
     parser.add_argument("--ttft-bound-ms", type=float, default=1000.0, help="ramp: short p99")
     parser.add_argument("--ramp-rates", default="10,20,40,80", help="requests/s per step")
-    parser.add_argument("--ramp-step", type=float, default=6.0, help="s per step")
+    parser.add_argument("--ramp-step", type=float, default=5.0, help="s per step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--peers-venv",
@@ -130,7 +131,7 @@ def _workload(name: str, args: argparse.Namespace) -> wl.PeerWorkload:
     if name == "first-user":
         return wl.first_user(args.seed, args.duration, args.chat_rate)
     if name == "agentic":
-        return wl.agentic(args.seed, args.duration, 0.5, args.chat_rate)
+        return wl.agentic(args.seed, args.duration, 1.0, args.chat_rate)
     if name == "trace":
         return wl.trace(args.seed, args.trace_requests, args.concurrency)
     raise ValueError(f"unknown workload {name!r}; choose from {', '.join(wl.WORKLOADS)}")
@@ -164,6 +165,8 @@ class Matrix:
         self.ramp: list[dict[str, Any]] = []
         self.workloads: dict[str, dict[str, Any]] = {}
         self.progress: Callable[[str], None] | None = None if args.quiet else log
+        # Called after each workload's set-ups: the tables so far are written out.
+        self.after_part: Callable[[], object] = lambda: None
 
     def run_all(
         self,
@@ -195,6 +198,7 @@ class Matrix:
         finally:
             fleet.stop()
         self.rows[key] = rows
+        self.after_part()
         return rows
 
     def _one(self, spec: RunSpec, ctx: Context, fleet: EngineFleet, ideal: float) -> dict[str, Any]:
@@ -219,7 +223,7 @@ class Matrix:
             first = _workload("first-user", args)
             self.run_all(first, "first-user, 2 replicas", focus, replicas=2)
         if "faults" in parts:
-            faults = wl.chat(args.seed + 1, 45.0, args.chat_rate / 2)
+            faults = wl.chat(args.seed + 1, 40.0, args.chat_rate / 2)
             self.run_all(faults, "faults", focus, faults=True)
         if "ramp" in parts:
             rates = [float(r) for r in _split(args.ramp_rates)]
@@ -265,32 +269,41 @@ def run(args: argparse.Namespace) -> int:
         print(f"extproc bench peers: unknown part or set-up: {unknown}", file=sys.stderr)
         return 2
     load_before = os.getloadavg()
+    started = time.monotonic()
     peers = sorted({s.split(":")[0] for s in _split(args.setups) if ":" in s})
     with tempfile.TemporaryDirectory(prefix="bench-peers-") as tmp:
         where = args.peers_venv or Path(tmp)
         versions = install_peers(where, peers) if peers else {}
         matrix = Matrix(args, where / "bin" if peers else None)
+
+        def write(final: bool) -> str:
+            summary = {
+                "command": shlex.join(["extproc", *sys.argv[1:]]),
+                "peer_versions": versions,
+                "peer_args": dict(PEER_ARGS),
+                "tuned": args.tuned if args.tuned is not None else dict(TUNED),
+                "cpus": os.cpu_count(),
+                "load_average_before": load_before,
+                "load_average_after": os.getloadavg(),
+                "wall_s": time.monotonic() - started,
+                "complete": final,
+                "workloads": matrix.workloads,
+                "runs": matrix.rows,
+                "faults": matrix.faults,
+                "ramp": matrix.ramp,
+                "skipped": matrix.skipped,
+            }
+            text = format_report(summary, args.ttft_bound_ms / 1000)
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            out = orjson.dumps(summary, option=orjson.OPT_INDENT_2)
+            (args.out_dir / "peers.json").write_bytes(out)
+            (args.out_dir / "peers.md").write_text(text + "\n")
+            return text
+
+        matrix.after_part = lambda: write(False)
         matrix.run(parts, workloads)
-    summary = {
-        "command": shlex.join(["extproc", *sys.argv[1:]]),
-        "peer_versions": versions,
-        "peer_args": dict(PEER_ARGS),
-        "tuned": dict(TUNED),
-        "cpus": os.cpu_count(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg(),
-        "workloads": matrix.workloads,
-        "runs": matrix.rows,
-        "faults": matrix.faults,
-        "ramp": matrix.ramp,
-        "skipped": matrix.skipped,
-    }
-    text = format_report(summary, args.ttft_bound_ms / 1000)
-    text += "".join(f"\n\n{part} part not run: {why}" for part, why in matrix.skipped.items())
+        text = write(True)
     print(text)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "peers.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    (args.out_dir / "peers.md").write_text(text + "\n")
     if args.doc is not None:
         write_doc(args.doc, text)
     failed = any(r["requests"] == 0 for rows in matrix.rows.values() for r in rows)
@@ -303,9 +316,13 @@ def format_report(summary: dict[str, Any], bound_s: float) -> str:
     lines = [
         f"Command: `{summary['command']}`",
         "",
-        f"Peers: {versions or 'none'}; machine: {summary['cpus']} CPUs, load average "
-        f"{load[0][0]:.1f} before, {load[1][0]:.1f} after (1 min).",
+        f"Peers: {versions or 'none'}; tuned: `{orjson.dumps(summary['tuned']).decode()}`; "
+        f"machine: {summary['cpus']} CPUs, load average {load[0][0]:.1f} before, "
+        f"{load[1][0]:.1f} after (1 min); {summary['wall_s'] / 60:.0f} minutes"
+        + ("" if summary["complete"] else " so far (incomplete)")
+        + ".",
     ]
+    lines += [f"\n{part} part not run: {why}" for part, why in summary["skipped"].items()]
     for key, rows in summary["runs"].items():
         info = summary["workloads"][key]
         engines = info["engines"]
