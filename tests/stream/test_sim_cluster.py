@@ -144,7 +144,9 @@ async def test_reset_empties_the_cache_and_is_refused_while_a_request_runs(
         body = chat("r" * 5000, max_tokens=16)
         await post(http, url, body)
         in_flight = asyncio.create_task(post(http, url, body))
-        while not running.cluster.model.load(time.monotonic()).inflight:
+        for _ in range(1000):  # until the request has reached the model (bounded)
+            if running.cluster.model.load(time.monotonic()).inflight:
+                break
             await asyncio.sleep(0.005)
         status, _, _ = await post(http, running.url + "/admin/reset", {})
         assert status == 409  # a request is running
