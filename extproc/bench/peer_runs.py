@@ -109,6 +109,7 @@ class Context:
     tuned: Mapping[str, Any] = field(default_factory=dict)
     # Real llama.cpp engines serving this GGUF instead of simulated ones.
     llamacpp_model: Path | None = None
+    probe_requests: int = PROBE_REQUESTS
 
 
 def placement_cpus(placement: Placement) -> tuple[set[int], set[int]]:
@@ -205,7 +206,7 @@ def _measure(
     deltas = counter_deltas(fleet.counters(), before)
     cpu = None if spec.faults else cpu_seconds(router.pids()) - cpu_before
     rss = rss_bytes(router.pids())
-    probe = _probe(urls[0]) if spec.probe else []
+    probe = _probe(urls[0], ctx.probe_requests) if spec.probe else []
     return RunResult(spec, replay, deltas, cpu, rss, probe, events, ready - started)
 
 
@@ -278,11 +279,11 @@ def probe_requests(count: int = PROBE_REQUESTS) -> list[ReplayRequest]:
     return out
 
 
-def _probe(target: str) -> list[float]:
+def _probe(target: str, count: int) -> list[float]:
     """Latency of each request over one kept-alive connection, in seconds (the first, which
     opens the connection, is left out)."""
     options = ReplayOptions(concurrency=1, timeout_s=60.0, class_bounds=BOUNDS)
-    result: ReplayResult = _run(run_replay(probe_requests(), target, options))
+    result: ReplayResult = _run(run_replay(probe_requests(count), target, options))
     ordered = sorted(result.outcomes, key=lambda o: o.sent_s)[1:]
     return [o.latency_s for o in ordered if o.outcome == "2xx" and o.latency_s is not None]
 

@@ -181,6 +181,8 @@ class Matrix:
         engines = _engines(args, workload, count)
         tuned = args.tuned if args.tuned is not None else TUNED
         ctx = Context(args.out_dir, engines, self.bin_dir, self.progress, tuned, llamacpp)
+        if args.smoke:
+            ctx = dataclasses.replace(ctx, probe_requests=10)
         ideal = workload.ideal
         self.workloads[key] = {
             "description": workload.description,
