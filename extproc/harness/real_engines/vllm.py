@@ -39,7 +39,8 @@ class VllmSpec:
     """One engine's API-server settings."""
 
     model: Path
-    served_name: str = "tiny"  # --served-model-name: the model's name and metrics label
+    # --served-model-name: every name it answers to; the first labels its metrics.
+    served_names: tuple[str, ...] = ("tiny",)
     max_num_seqs: int = 4  # sequences scheduled at once; more wait (num_requests_waiting)
     max_model_len: int = 4096
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE
@@ -57,7 +58,8 @@ class VllmEngine(EngineProcess):
             "-m",
             "vllm.entrypoints.openai.api_server",
             f"--model={s.model}",
-            f"--served-model-name={s.served_name}",
+            "--served-model-name",
+            *s.served_names,
             f"--host={LOOPBACK}",
             f"--port={port}",
             "--dtype=float32",

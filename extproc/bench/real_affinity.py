@@ -1,0 +1,189 @@
+"""`extproc bench real-affinity`: does prefix affinity pay on a real engine? The processor
+against Envoy's round robin, side by side over the same real vLLM engines.
+
+Two vLLM engines (CPU build, the tiny random llama; ``make engine-deps``), one per cluster, are
+started once. Each arm puts its own Envoy in front of them (``extproc``: Envoy + the processor;
+``round_robin``: Envoy alone over every engine) and runs the same multi-turn conversations with
+no session id: a shared system prompt, a first user message of each conversation's own, every
+turn appending the reply and a new question, sent one request at a time, turn by turn across
+the conversations. Each arm's conversations carry their own salt at the start, so no arm reuses
+another's cache.
+
+Per arm: the engines' own prefix-cache hit ratio over the arm (``vllm:prefix_cache_hits_total``
+/ ``vllm:prefix_cache_queries_total`` deltas), the prompt tokens they evaluated (the prefill
+compute actually spent: queries minus hits) and the time to the first streamed token, p50 and
+p99, as the client saw it. The figures are ratios of one run on one machine; rerun to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+from extproc.harness.launch import LOOPBACK, FleetStack, http_get
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
+
+ARMS = ("round_robin", "extproc")
+SYSTEM = "You are the fleet's assistant. Answer briefly and cite the routing manual. " * 24
+FIXED = {"ignore_eos": True, "temperature": 0}
+
+
+@dataclass(frozen=True, slots=True)
+class ArmResult:
+    arm: str
+    requests: int
+    cached_ratio: float
+    evaluated_prompt_tokens: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+
+
+def _counter(port: int, name: str) -> float:
+    _status, body = http_get(port, "/metrics", timeout=10.0)
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _counters(ports: Sequence[int]) -> tuple[float, float]:
+    hits = sum(_counter(p, "vllm:prefix_cache_hits_total") for p in ports)
+    queries = sum(_counter(p, "vllm:prefix_cache_queries_total") for p in ports)
+    return hits, queries
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def run_arm(
+    arm: str,
+    engines: Mapping[str, Sequence[int]],
+    workdir: Path,
+    model: str,
+    conversations: int,
+    turns: int,
+    max_tokens: int,
+) -> ArmResult:
+    """One arm over running engines (cluster -> engine ports): its own Envoy (and processor)."""
+    import openai
+
+    stack = FleetStack(
+        workdir / arm,
+        mode=arm,  # type: ignore[arg-type]
+        external_engines=engines,
+        cluster_fields={"engine": "vllm"},
+        access_log=False,
+    )
+    ports = [p for group in engines.values() for p in group]
+    ttfts: list[float] = []
+    with stack:
+        client = openai.OpenAI(
+            base_url=f"http://{LOOPBACK}:{stack.listener_port}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=600,
+        )
+        try:
+            hits0, queries0 = _counters(ports)
+            history: list[list[dict[str, str]]] = [
+                [
+                    {"role": "system", "content": f"[{arm}] {SYSTEM}"},
+                    {"role": "user", "content": f"Conversation {c}: where does session {c} go?"},
+                ]
+                for c in range(conversations)
+            ]
+            for turn in range(turns):
+                for messages in history:
+                    started = time.perf_counter()
+                    first: float | None = None
+                    text = []
+                    stream = client.chat.completions.create(
+                        model=model,
+                        messages=cast("list[ChatCompletionMessageParam]", messages),
+                        max_tokens=max_tokens,
+                        stream=True,
+                        extra_body=FIXED,
+                    )
+                    for chunk in stream:
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            if first is None:
+                                first = time.perf_counter() - started
+                            text.append(chunk.choices[0].delta.content)
+                    ttfts.append(first if first is not None else time.perf_counter() - started)
+                    messages.append({"role": "assistant", "content": "".join(text)})
+                    messages.append({"role": "user", "content": f"And after turn {turn}?"})
+            hits1, queries1 = _counters(ports)
+        finally:
+            client.close()
+    hits, queries = hits1 - hits0, queries1 - queries0
+    return ArmResult(
+        arm=arm,
+        requests=len(ttfts),
+        cached_ratio=hits / queries if queries else 0.0,
+        evaluated_prompt_tokens=queries - hits,
+        ttft_p50_s=statistics.median(ttfts),
+        ttft_p99_s=_percentile(ttfts, 0.99),
+    )
+
+
+def compare(
+    engines: Mapping[str, Sequence[int]],
+    workdir: Path,
+    model: str = "tiny",
+    conversations: int = 8,
+    turns: int = 4,
+    max_tokens: int = 8,
+    arms: Sequence[str] = ARMS,
+) -> list[ArmResult]:
+    return [run_arm(arm, engines, workdir, model, conversations, turns, max_tokens) for arm in arms]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-num-seqs", type=int, default=4, help="each engine's")
+    parser.add_argument("--workdir", type=Path, default=Path("out/bench-real-affinity"))
+    parser.add_argument("--json", type=Path, help="also write the results here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from extproc.harness.real_engines import vllm
+    from extproc.harness.real_engines.base import ENGINES_DIR, running
+
+    model = vllm.tiny_model(ENGINES_DIR / "cache")
+    workdir: Path = args.workdir
+    engines = [
+        vllm.VllmEngine(
+            f"{c}-e1", workdir / "engines", vllm.VllmSpec(model, max_num_seqs=args.max_num_seqs)
+        )
+        for c in ("c1", "c2")
+    ]
+    started = time.perf_counter()
+    with running(engines, vllm.START_TIMEOUT_S):
+        ready_s = time.perf_counter() - started
+        ports = {f"c{i}": [e.port] for i, e in enumerate(engines, 1)}
+        results = compare(ports, workdir, "tiny", args.conversations, args.turns, args.max_tokens)
+    print(f"2 vLLM engines ready in {ready_s:.0f} s")
+    print(f"{'arm':<12} {'requests':>8} {'cached':>7} {'evaluated':>10} {'ttft p50':>9} {'p99':>7}")
+    for r in results:
+        print(
+            f"{r.arm:<12} {r.requests:>8} {r.cached_ratio:>7.3f} {r.evaluated_prompt_tokens:>10.0f}"
+            f" {r.ttft_p50_s:>8.3f}s {r.ttft_p99_s:>6.3f}s"
+        )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([asdict(r) for r in results], indent=2) + "\n")
+    return 0
