@@ -7,8 +7,10 @@ names, enumerated label values and histogram buckets. vLLM exports with ``promet
 too, so the same registrations print the same text, ``_created`` series included.
 
 What the simulator models drives the values: queue and running counts, KV use, prefix-cache
-queries and hits, prompt and generation tokens, finished requests by reason (``abort`` for a
-client that went away), and the per-request latency histograms in simulated seconds. The
+queries and hits, prompt and generation tokens, finished requests by reason, and the
+per-request latency histograms in simulated seconds. A request whose client went away is not a
+finished request: vLLM counts it nowhere (its output processor drops the request's state), so
+``finished_reason="abort"`` stays 0 here as it does there for client disconnects. The
 families it has no model for (multi-modal and external caches, FLOPs estimates, preemptions,
 admission rejections, sleep state) print vLLM's idle values.
 """
