@@ -27,6 +27,11 @@ BENCHES: dict[str, tuple[str, str]] = {
         "extproc.bench.real_affinity",
         "prefix affinity on real vLLM engines: the processor vs Envoy round robin",
     ),
+    "engines": (
+        "extproc.bench.engines",
+        "prefix affinity on real llama.cpp engines: extproc vs round robin vs the ideal",
+    ),
+    "scrape": ("extproc.bench.scrape", "the engine scraper's CPU per endpoint at 8 and 512"),
 }
 
 

@@ -53,9 +53,11 @@ The rules, first match wins:
    order with room ("spilled", remembered). Why bounded loads only here: hashing conversations
    (and co-locating those that share a document) leaves some clusters with more sessions than
    others by chance, and an existing session's cache is worth more than evenness, so only
-   where a new session starts is chosen for balance. With no room anywhere, the primary if it
-   is usable (healthy, not pressured), else the first usable candidate; a fleet that is full
-   everywhere leaves the budget to say no.
+   where a new session starts is chosen for balance. With no room anywhere (every candidate
+   over its share or busy), the primary unless it is saturated, else the first candidate that
+   is usable and not saturated; then the primary if it is usable (healthy, not pressured),
+   else the first usable candidate; a fleet that is full everywhere leaves the budget to say
+   no.
 
 A LoRA adapter's request (``within``: its first candidates have it loaded) is decided by the same
 rules among its loaded clusters while one of them is healthy: a spill, a hot key's spread or a
@@ -471,6 +473,12 @@ def place(
         return Decision(_placement(ranked, primary, judge), "primary")
     target = (
         _first(among, judge.has_room)
+        # Over its share is a reason to prefer another cluster, saturation a reason to avoid
+        # one: with no room anywhere, an unsaturated cluster before a saturated primary (on
+        # two clusters, a few spills put the other over its share at once, and the sessions
+        # went back to the backlogged primary).
+        or (primary if judge.can_take(primary) else None)
+        or _first(among, judge.can_take)
         or (primary if judge.usable(primary) else None)
         or _first(among, judge.usable)
         # An adapter's: a healthy loaded cluster before a failed primary (see _migrate).

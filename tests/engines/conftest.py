@@ -181,8 +181,8 @@ class StreamHog:
                 if not response.readline():
                     return
                 self.chunks[index] += 1
-        except OSError:
-            return  # closed by close()
+        except (OSError, ValueError, AttributeError, http.client.HTTPException):
+            return  # the connection was dropped by close() mid-read
 
     def close(self) -> None:
         self._stop.set()

@@ -706,3 +706,17 @@ def test_an_adapter_session_starts_and_moves_only_among_its_loaded_clusters(
     assert states[RANKED.index(d.placement.primary)].healthy, d
     if d.placement.primary not in tier:
         assert (d.kind, d.placement.primary) == ("override", override_to), d
+
+
+def test_with_no_room_anywhere_a_saturated_primary_gives_way_to_an_unsaturated_cluster() -> None:
+    # Two candidates: c1 saturated (a backlog), c2 idle but over its share after the spills
+    # that the backlog caused. The new session goes to c2, not back to the backlogged c1.
+    loads = snap(
+        c1=ClusterLoad(inflight=6, recent=10.0),
+        c2=ClusterLoad(inflight=0, recent=12.0),
+    )
+    decision = decide(loads, ranked=("c1", "c2"), params=BALANCED)
+    assert (decision.kind, decision.placement.primary) == ("spilled", "c2")
+    # Over its share but not saturated, the primary still takes it (no room anywhere).
+    calm = snap(c1=ClusterLoad(inflight=1, recent=12.0), c2=ClusterLoad(inflight=0, recent=12.0))
+    assert decide(calm, ranked=("c1", "c2"), params=BALANCED).placement.primary == "c1"

@@ -45,6 +45,10 @@ class LlamaCppSpec:
     slots: int = 2  # requests decoded at once (-np); more wait, deferred
     threads: int = 1  # CPU threads (-t, -tb)
     cache_ram_mib: int = DEFAULT_CACHE_RAM_MIB
+    # HTTP threads (--threads-http); every open request holds one, deferred ones too. The
+    # server's default, max(slots + 2, cores - 1), leaves /health and /metrics waiting behind
+    # a backlog of more requests than that; None: room for a backlog of 4x the slots.
+    threads_http: int | None = None
 
 
 class LlamaCppEngine(EngineProcess):
@@ -64,6 +68,7 @@ class LlamaCppEngine(EngineProcess):
             f"--slots={s.slots}",
             f"--threads={s.threads}",
             f"--cache-ram-mib={s.cache_ram_mib}",
+            f"--threads-http={s.threads_http or 4 * s.slots + 4}",
         ]
 
 

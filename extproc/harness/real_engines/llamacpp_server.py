@@ -25,6 +25,10 @@ def params(args: argparse.Namespace) -> xllamacpp.CommonParams:
     p.port = args.port  # --port
     p.n_ctx = args.n_ctx  # -c: the whole context, divided among the slots
     p.n_parallel = args.slots  # -np
+    # --threads-http: llama-server's default is max(slots + 2, cores - 1). Each open request
+    # holds one, deferred ones included: beyond that, /health and /metrics wait behind them
+    # (Envoy's health check would fail a merely busy engine).
+    p.n_threads_http = args.threads_http
     p.cpuparams.n_threads = args.threads  # -t
     p.cpuparams_batch.n_threads = args.threads  # -tb
     p.endpoint_metrics = True  # --metrics
@@ -44,6 +48,7 @@ def main() -> None:
     parser.add_argument("--n-ctx", type=int, default=8192)
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads-http", type=int, default=-1)
     parser.add_argument("--cache-ram-mib", type=int, default=8192)
     args = parser.parse_args()
     started = time.monotonic()
