@@ -20,6 +20,7 @@ BENCHES: dict[str, tuple[str, str]] = {
         "P/D: prefill:decode ratios at 64 clusters (fleet simulator runs)",
     ),
     "layouts": ("extproc.bench.layouts", "a shared opening in each position: old vs chain key"),
+    "fairness": ("extproc.bench.fairness", "one tenant's flood in a class: FIFO vs fair shares"),
     "wake": ("extproc.bench.wake", "waiters woken by releases: memory, Redis pub/sub, polling"),
     "scale": ("extproc.bench.scale", "16-512 clusters: pair aggregates vs one pool"),
     "peers": ("extproc.bench.peers", "against vLLM Router and the SGLang gateway, same engines"),

@@ -231,19 +231,24 @@ class _Entry(Generic[T]):
     item: T = field(compare=False)
     cost: int = field(compare=False, default=0)
     removed: bool = field(compare=False, default=False)
+    # How far it moved its tenant's counter; given back if it leaves unserved (0: its tag
+    # was decided elsewhere, and so is the refund).
+    increment: float = field(compare=False, default=0.0)
 
 
 class FairQueue(Generic[T]):
     """Waiters of one (cluster, class): FIFO per tenant, weighted fair across tenants.
 
-    Self-clocked fair queueing: a waiter of tenant t costing service s (its input tokens under
-    tokens fairness, 1 under requests fairness, 0 for FIFO) gets the tag
-    ``max(V, last tag of t) + s / weight``, where V is the tag last served; the smallest tag
-    is served first (ties: arrival order). A tenant's last tag is its counter (the virtual
-    token counter): it also advances by the output it is later served (:meth:`charge`). Tags
-    of one tenant only grow, so each tenant is FIFO. While tenants a and b are backlogged, the
-    service they are given (divided by weight) differs by at most one largest request of each
-    (``s_max(a) / w_a + s_max(b) / w_b``; ``tests/unit/test_flow.py`` checks the bound). A
+    Start-time fair queueing (SFQ; the virtual token counter of VTC): each tenant has a
+    counter; a waiter of tenant t costing service s (its input tokens under tokens fairness,
+    1 under requests fairness, 0 for FIFO) gets the tag ``start = max(V, counter(t))`` and
+    moves the counter to ``start + s / weight``; the smallest tag is served first (ties:
+    arrival order) and V becomes its tag. The counter also advances by the output a tenant is
+    later served (:meth:`charge`). So a tenant's first waiter is not held back by its own size,
+    its later ones wait until the others have been served as much; tags of one tenant only
+    grow, so each tenant is FIFO. While tenants a and b are backlogged, the service they are
+    given (divided by weight) differs by at most one largest request of each
+    (``s_max(a) / w_a + s_max(b) / w_b``; ``tests/unit/test_fairness.py`` checks the bound). A
     tenant that becomes active starts at V, the least counter still waiting, so it cannot bank
     credit for the time it was away.
     """
@@ -265,10 +270,10 @@ class FairQueue(Generic[T]):
         """The summed cost (estimated input tokens) of the live waiters."""
         return self._tokens
 
-    def tag_for(self, tenant: str, weight: float = 1.0, service: float = 1.0) -> float:
-        """The tag a waiter of ``tenant`` costing ``service`` joining now gets (what
-        :meth:`push` assigns)."""
-        return self.counter(tenant) + service / max(weight, 1e-9)
+    def tag_for(self, tenant: str) -> float:
+        """The tag a waiter of ``tenant`` joining now gets (what :meth:`push` assigns): its
+        start, the tenant's counter."""
+        return self.counter(tenant)
 
     def counter(self, tenant: str) -> float:
         """Where ``tenant``'s next waiter starts: its counter, lifted to V when behind it."""
@@ -299,11 +304,17 @@ class FairQueue(Generic[T]):
         ``order`` given: the place was decided elsewhere (the fleet-wide queue in Redis,
         queue.lua, computes the same tags over every replica's waiters), and this queue keeps
         that order."""
+        refundable = tag is None
         if tag is None:
-            tag = self.tag_for(tenant, weight, service)
-        self._last[tenant] = max(tag, self._last.get(tenant, tag))
+            tag = self.tag_for(tenant)
+        # The tenant's counter moves past this waiter: its next one starts there.
+        increment = service / max(weight, 1e-9)
+        finish = tag + increment
+        self._last[tenant] = max(finish, self._last.get(tenant, finish))
         seq = next(self._seq)
         entry = _Entry(tag, seq if order is None else order, seq, tenant, item, cost)
+        if refundable:
+            entry.increment = increment
         heapq.heappush(self._heap, entry)
         self._ids[seq] = entry
         self._live += 1
@@ -334,12 +345,19 @@ class FairQueue(Generic[T]):
         return entry.item
 
     def remove(self, seq: int) -> bool:
-        """Withdraw a waiter (timed out, or its client went away); True when it was queued."""
+        """Withdraw a waiter (timed out, or its client went away); True when it was queued.
+
+        It was never served, so its tenant is not charged for it: its counter moves back by
+        the waiter's increment (the tags of waiters already queued stay, so every replica's
+        copy of the fleet-wide order stays the same). Else a tenant whose requests time out
+        under overload would fall ever further behind for service it never got."""
         entry = self._ids.get(seq)
         if entry is None or entry.removed:
             return False
         entry.removed = True
         self._forget(entry)
+        if entry.increment and entry.tenant in self._last:
+            self._last[entry.tenant] -= entry.increment
         self._drop_removed()
         return True
 
@@ -363,9 +381,9 @@ class FairQueue(Generic[T]):
                 tokens += other.cost
         return n, tokens
 
-    def place_for(self, tenant: str, weight: float = 1.0, service: float = 1.0) -> int:
+    def place_for(self, tenant: str) -> int:
         """How many live waiters a waiter of ``tenant`` joining now would be served after."""
-        tag = self.tag_for(tenant, weight, service)
+        tag = self.tag_for(tenant)
         return sum(1 for other in self._ids.values() if other.tag <= tag)
 
     def __iter__(self) -> Iterator[T]:

@@ -5,20 +5,22 @@
 --
 -- KEYS[1] queue zset (ticket -> tag)   KEYS[2] ticket expiry zset   KEYS[3] queue meta hash
 -- ARGV[1] op: 'join' | 'leave' | 'touch'
---   join:  ARGV[2] ticket, [3] tenant, [4] increment (service / weight), [5] tokens, [6] lease_s, [7] max_queue,
---          [8] idle_ttl_ms, [9] freed channel.
+--   join:  ARGV[2] ticket, [3] tenant, [4] increment (service / weight), [5] tokens,
+--          [6] lease_s, [7] max_queue, [8] idle_ttl_ms, [9] freed channel.
 --          Returns {joined (1/0), ahead, ahead_tokens, tag, member, order}: ahead = tickets
 --          served before it (all of them when it did not join: the queue was full); member =
 --          its name in the queue (what leave, touch and reserve.lua take), order = its arrival
 --          number in the compartment.
 --   leave: ARGV[2] ticket, [3] freed channel, [4] the compartment's state key (the notice's
---          payload). Returns 1 when it was queued.
+--          payload). Unserved: its tenant's counter gives its increment back. Returns 1 when
+--          it was queued.
 --   touch: ARGV[2] lease_s, ARGV[3..] tickets. Returns the tickets no longer queued.
 --   charge: ARGV[2] tenant, [3] increment: the tenant's counter advances (output it was
 --          served), while the compartment has a queue. Returns 1 when it did.
 --
--- Tags: self-clocked fair queueing, as FairQueue: a tenant's ticket gets
--- max(V, the tenant's last tag) + increment (its service over its weight: tokens, or 1); the smallest tag is served first, ties in
+-- Tags: start-time fair queueing, as FairQueue: a tenant's ticket gets the tag
+-- max(V, the tenant's counter) and moves the counter to that tag + increment (its service
+-- over its weight: tokens, or 1); the smallest tag is served first, ties in
 -- arrival order (the member starts with the zero-padded arrival number, and Redis orders
 -- equal scores by member); V is the tag last admitted (reserve.lua). Tickets are leases: a replica renews its own
 -- (touch); a dead replica's lapse and are reaped by the next call, so they block nobody for
@@ -43,11 +45,13 @@ if op == 'join' then
   local ticket = string.format('%012d', order) .. '/' .. ARGV[2]
   local vt = tonumber(redis.call('HGET', meta, 'vt')) or 0
   local last = tonumber(redis.call('HGET', meta, 't:' .. tenant)) or vt
-  local tag = math.max(vt, last) + math.max(increment, 0)
+  local tag = math.max(vt, last)
   local text = string.format('%.17g', tag)
+  local counter = string.format('%.17g', tag + math.max(increment, 0))
   redis.call('ZADD', queue, text, ticket)
   redis.call('ZADD', expiry, now + lease, ticket)
-  redis.call('HSET', meta, 't:' .. tenant, text, 'k:' .. ticket, tokens)
+  redis.call('HSET', meta, 't:' .. tenant, counter, 'k:' .. ticket, tokens,
+    'n:' .. ticket, tenant, 'i:' .. ticket, string.format('%.17g', math.max(increment, 0)))
   local rank = redis.call('ZRANK', queue, ticket)
   local sum = 0
   if rank > 0 then sum = ticket_tokens(queue, meta, 0, rank - 1) end
@@ -56,7 +60,7 @@ if op == 'join' then
 elseif op == 'leave' then
   local ticket, channel = ARGV[2], ARGV[3]
   local head = redis.call('ZRANGE', queue, 0, 0)
-  local removed = drop_ticket(queue, expiry, meta, ticket)
+  local removed = withdraw_ticket(queue, expiry, meta, ticket)
   reset_if_idle(queue, meta)
   if removed == 1 and head[1] == ticket and redis.call('ZCARD', queue) > 0 and channel ~= '' then
     -- The head left: the next one, on whichever replica, tries the budget now.

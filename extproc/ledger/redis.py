@@ -28,7 +28,7 @@ request class, its three keys sharing one hash tag ``{cluster:class}``)::
     P:{cluster:class}:queue         ZSET  flow control's fleet-wide queue: ticket -> fair tag
     P:{cluster:class}:queue_expiry  ZSET  ticket -> lease expiry (Redis TIME, s)
     P:{cluster:class}:queue_meta    HASH  vt (the tag last admitted), seq (arrivals),
-                                          t:<tenant> (its last tag), k:<ticket> (its tokens)
+                                          t:<tenant> (its counter), k:<ticket> (its tokens)
 
 Lease ids are ``<replica id>:<sequence>``; the replica id is random per process. Queue tickets
 (queue.lua) are ``<arrival number>/<replica id>:q<sequence>``, leased for ``TICKET_LEASE_S``

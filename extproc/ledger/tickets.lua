@@ -1,13 +1,30 @@
 -- The fleet-wide queue's ticket bookkeeping, shared by queue.lua and reserve.lua: a Redis
 -- script cannot load another, so extproc/ledger/redis.py puts this file in front of both when
 -- it loads them. Keys as in queue.lua: the queue zset (ticket -> tag), the ticket expiry zset
--- and the meta hash (vt, seq, t:<tenant> last tags, k:<ticket> tokens).
+-- and the meta hash (vt, seq, t:<tenant> counters, k:/n:/i:<ticket> its tokens, tenant and
+-- increment).
 
--- One ticket out of the queue; 1 when it was queued.
+-- One ticket out of the queue (admitted); 1 when it was queued.
 local function drop_ticket(queue, expiry, meta, ticket)
   local removed = redis.call('ZREM', queue, ticket)
   redis.call('ZREM', expiry, ticket)
-  redis.call('HDEL', meta, 'k:' .. ticket)
+  redis.call('HDEL', meta, 'k:' .. ticket, 'n:' .. ticket, 'i:' .. ticket)
+  return removed
+end
+
+-- One ticket out of the queue unserved (it left, or its lease lapsed): its tenant's counter
+-- gives back what the ticket moved it by (FairQueue.remove); 1 when it was queued.
+local function withdraw_ticket(queue, expiry, meta, ticket)
+  local f = redis.call('HMGET', meta, 'n:' .. ticket, 'i:' .. ticket)
+  local removed = drop_ticket(queue, expiry, meta, ticket)
+  local increment = tonumber(f[2])
+  if removed == 1 and f[1] and increment and increment > 0 then
+    local field = 't:' .. f[1]
+    local counter = tonumber(redis.call('HGET', meta, field))
+    if counter then
+      redis.call('HSET', meta, field, string.format('%.17g', counter - increment))
+    end
+  end
   return removed
 end
 
@@ -15,7 +32,7 @@ end
 -- for longer than their lease. Bounded per call to bound script time.
 local function reap_tickets(queue, expiry, meta, now)
   local lapsed = redis.call('ZRANGEBYSCORE', expiry, '-inf', now, 'LIMIT', 0, 512)
-  for i = 1, #lapsed do drop_ticket(queue, expiry, meta, lapsed[i]) end
+  for i = 1, #lapsed do withdraw_ticket(queue, expiry, meta, lapsed[i]) end
 end
 
 -- Nobody waits: nothing is owed to any tenant any more (V and the arrival count stay).

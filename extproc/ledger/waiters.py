@@ -149,7 +149,7 @@ class Waiters:
         return {
             "queued": len(queue),
             "counter_over_v": round(queue.counter(claim.tenant) - queue.virtual, 3),
-            "would_follow": queue.place_for(claim.tenant, claim.weight, claim.service),
+            "would_follow": queue.place_for(claim.tenant),
         }
 
     def freed(self, cluster: str, class_name: str) -> None:

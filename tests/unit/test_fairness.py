@@ -66,26 +66,27 @@ def test_token_fairness_bound_while_backlogged(
 
 
 def test_tokens_fairness_serves_a_small_tenant_before_a_flood_drains() -> None:
-    """A flood of million-token requests queued first; a steady tenant's 20k request that
-    arrives after it is served next, not after the flood (FIFO and unit costs: after one or
-    after the whole flood)."""
+    """A flood of million-token requests queued first; a steady tenant's five 20k requests
+    that arrive after it are all served before the flood's next one under tokens fairness
+    (unit costs: one flood request between each of them; FIFO: after the whole flood)."""
 
-    def served_before_steady(fairness: Fairness) -> int:
+    def floods_before_steadys_last(fairness: Fairness) -> int:
         flow = FlowParams(fairness=fairness)
         q: FairQueue[str] = FairQueue()
-        for i in range(10):
+        for i in range(11):
             q.push(f"flood{i}", "flood", 1.0, 1_000_000, service=flow.service(1_000_000))
-        q.push("flood-served", "flood", 1.0, 1_000_000, service=flow.service(1_000_000))
         assert q.pop() == "flood0"  # the flood's first is being served when steady arrives
-        q.push("steady", "steady", 1.0, 20_000, service=flow.service(20_000))
+        for i in range(5):
+            q.push(f"steady{i}", "steady", 1.0, 20_000, service=flow.service(20_000))
         n = 0
-        while q.pop() != "steady":
-            n += 1
+        while (item := q.pop()) != "steady4":
+            assert item is not None
+            n += item.startswith("flood")
         return n
 
-    assert served_before_steady(Fairness.TOKENS) == 0
-    assert served_before_steady(Fairness.REQUESTS) == 1
-    assert served_before_steady(Fairness.FIFO) == 10
+    assert floods_before_steadys_last(Fairness.TOKENS) == 0
+    assert floods_before_steadys_last(Fairness.REQUESTS) == 4
+    assert floods_before_steadys_last(Fairness.FIFO) == 10
 
 
 def test_output_is_charged_while_contended_and_idle_time_is_not_banked() -> None:
@@ -111,11 +112,13 @@ def test_a_tenant_that_was_away_starts_at_the_least_counter_still_waiting() -> N
         q.push(f"busy{i}", "busy", service=10)
     for _ in range(3):
         q.pop()
-    # Arriving now, "late" may not jump the whole queue with credit for its absence: its tag
-    # starts at V (the busy tenant's last served tag), so it goes after busy's equal tag.
-    assert q.place_for("late", service=10) == 1
-    q.push("late1", "late", service=10)
-    assert [q.pop(), q.pop(), q.pop()] == ["busy3", "late1", "busy4"]
+    # Arriving now, "late" starts at V (the tag last served), not at zero: it is served next
+    # once, then alternates with busy; it cannot jump the queue with credit for its absence
+    # (from zero, all three of its requests would go first).
+    assert q.place_for("late") == 0
+    for i in range(3):
+        q.push(f"late{i}", "late", service=10)
+    assert [q.pop() for _ in range(5)] == ["late0", "busy3", "late1", "busy4", "late2"]
 
 
 def test_fifo_is_arrival_order() -> None:
