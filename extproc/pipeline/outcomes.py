@@ -85,6 +85,8 @@ class Hold:
     # Served through a contended queue: where its output is charged to its tenant's counter
     # once usage inspection reads it (extproc.core.flow, tokens fairness).
     fair: FairCharge | None = None
+    # Per-tenant metrics on: the tenant's keyed label, credited with what it is served.
+    tenant_label: str | None = None
 
     @property
     def held(self) -> bool:

@@ -81,6 +81,7 @@ from extproc.pipeline.outcomes import (
     Unavailable,
     Waiting,
 )
+from extproc.pipeline.tenant_metrics import TenantMetrics
 from extproc.tracing import annotate as trace_annotate
 from extproc.tracing import phase as trace_phase
 
@@ -195,6 +196,8 @@ class Pipeline:
         self._runtime = runtime
         # Per-tenant limits (flow.tenant_limit / flow.tenants), counted by this replica.
         self.tenant_limits = tenant_limits or TenantLimits(time.monotonic)
+        self._tenant_metrics = TenantMetrics(metrics.registry)
+        self._tenant_metrics.configure(runtime.current.flow.tenant_metrics_top)
         # The jitter of the retry hints the pipeline itself computes (tenant limits).
         self._rng = rng or Random()
         # False: a new session's bound is judged from the full ranking and snapshot only (the
@@ -242,6 +245,7 @@ class Pipeline:
         """Serve ``runtime`` from the next request on (a reload): one reference assignment;
         requests already decided keep what they hold."""
         self._runtime.current = runtime
+        self._tenant_metrics.configure(runtime.flow.tenant_metrics_top)
         # The session memory trims to a lower bound on its next writes.
         self.fleet.memory.max_sessions = runtime.max_sessions
 
@@ -439,6 +443,8 @@ class Pipeline:
             )
         hold = Hold(api, headers.get("x-request-id", ""))
         tenant = self._tenant(runtime, headers, facts)
+        if self._tenant_metrics.enabled:
+            hold.tenant_label = tenant.label
         if runtime.flow.limits_tenants:
             over = self._take_tenant(runtime, tenant, facts, route, hold)
             if over is not None:
@@ -554,6 +560,8 @@ class Pipeline:
                     "config_version": runtime.version,
                 },
             )
+        if hold.tenant_label is not None:
+            self._tenant_metrics.served(hold.tenant_label, facts.input_tokens, 1)
         return Routed(
             facts,
             route,
@@ -1190,6 +1198,8 @@ class Pipeline:
         if usage is None:
             self._metrics.usage_missing.inc()
             return
+        if hold.tenant_label is not None:
+            self._tenant_metrics.served(hold.tenant_label, usage.output_tokens)
         fair, hold.fair = hold.fair, None
         if fair is not None and self._gate is not None:
             self._gate.charge(fair, self._runtime.current.flow.output_service(usage.output_tokens))

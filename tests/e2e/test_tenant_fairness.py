@@ -10,7 +10,6 @@ that names a tenant in the trusted tenant header is not believed: Envoy strips t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -23,9 +22,9 @@ from extproc.harness.launch import FleetStack, wait_until
 from tests.e2e.conftest import dump_logs
 from tests.support.redis_server import RedisServer
 
-# 10 decode tokens/s: a request of 20 output tokens holds the class ~2 s.
-SIM_ARGS = ("--time-scale", "1", "--prefill-tps", "1000000", "--decode-tps", "10")
-OUTPUT = 20
+# 20 decode tokens/s: a request of 10 output tokens holds the class ~0.5 s.
+SIM_ARGS = ("--time-scale", "1", "--prefill-tps", "1000000", "--decode-tps", "20")
+OUTPUT = 10
 FLOOD_TEXT = "an agent's long tool transcript line. " * 200  # ~2,000 tokens
 STEADY_TEXT = "a short question. " * 20  # ~100 tokens
 QUEUED_FLOODS = 4
@@ -55,6 +54,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
                     # A tenant that may start 1 token a minute: any request of it is refused.
                     "tenants": {"blocked": {"tokens_per_minute": 1}},
                     "redis_poll_ms": 1000,
+                    "tenant_metrics_top": 2,
                 },
             },
         )
@@ -87,7 +87,7 @@ def client_for(stack: FleetStack, api_key: str) -> openai.OpenAI:
 
 
 def test_steady_tenant_is_served_before_the_floods_queue_drains(stack: FleetStack) -> None:
-    def call(name: str, api_key: str, text: str) -> tuple[str, float]:
+    def call(name: str, api_key: str, text: str) -> tuple[str, int]:
         raw = client_for(stack, api_key).chat.completions.with_raw_response.create(
             model="m",
             messages=[{"role": "user", "content": f"{name}: {text}"}],
@@ -95,32 +95,55 @@ def test_steady_tenant_is_served_before_the_floods_queue_drains(stack: FleetStac
             extra_headers={"x-session-id": name},
         )
         assert raw.status_code == 200
-        raw.parse()
-        return name, time.monotonic()
+        # The engine numbers requests as they reach it ("chatcmpl-sim<n>"): with one admitted
+        # at a time, that is the order the processor admitted them in.
+        return name, int(raw.parse().id.rpartition("sim")[2])
 
-    inflight = "fleet_budget_inflight_requests"
-    with ThreadPoolExecutor(2 + QUEUED_FLOODS) as pool:
-        calls = [pool.submit(call, "flood-0", "sk-flood", FLOOD_TEXT)]
-        wait_until(polled(lambda: metric(stack, inflight) >= 1), 60, "the flood holding it")
+    # The flood's first request holds the class as a stream this test ends: nothing is
+    # admitted until every other request waits, however slowly they arrive.
+    holder = client_for(stack, "sk-flood").chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": f"flood-0: {FLOOD_TEXT}"}],
+        max_tokens=100_000,
+        stream=True,
+        extra_headers={"x-session-id": "flood-0"},
+    )
+    next(iter(holder))
+    depth = "fleet_flow_queue_depth"
+    with ThreadPoolExecutor(1 + QUEUED_FLOODS) as pool:
+        calls = []
         for i in range(1, 1 + QUEUED_FLOODS):
             calls.append(pool.submit(call, f"flood-{i}", "sk-flood", FLOOD_TEXT))
-        wait_until(
-            polled(lambda: metric(stack, "fleet_flow_queue_depth") >= QUEUED_FLOODS),
-            60,
-            "the flood's requests queued",
-        )
+            # One at a time, so their arrival order (and the flood's counter) is known.
+            wait_until(polled(lambda n=i: metric(stack, depth) >= n), 180, f"flood-{i} queued")
         calls.append(pool.submit(call, "steady", "sk-steady", STEADY_TEXT))
         try:
+            wait_until(
+                polled(lambda: metric(stack, depth) >= 1 + QUEUED_FLOODS or calls[-1].done()),
+                180,
+                "steady queued",
+            )
+            if calls[-1].done():  # answered without waiting: say how (it raises)
+                calls[-1].result(timeout=0)
+            holder.close()  # the client goes away: the budget is released, the queue drains
             done = [c.result(timeout=300) for c in calls]
         except Exception:
             print(dump_logs(stack))
             raise
     order = [name for name, _ in sorted(done, key=lambda x: x[1])]
-    # Served (one at a time) before the last of the flood's queued requests: under FIFO it
-    # would have been last; token fairness puts it right behind the request being served.
-    assert order.index("steady") < order.index(f"flood-{QUEUED_FLOODS}"), order
-    floods_after = [n for n in order[order.index("steady") :] if n.startswith("flood")]
-    assert len(floods_after) >= 2, order
+    # One at a time, in the fleet-wide fair order: the flood's first queued request (its
+    # counter was at V), then the steady tenant (it starts at V too, and arrived later), then
+    # the rest of the flood, each a large request further on. FIFO would serve it last.
+    assert order == ["flood-1", "steady", "flood-2", "flood-3", "flood-4"], order
+    # Per-tenant metrics: bounded (two tenants and "other" per replica), keyed labels only.
+    labels = {
+        dict(lab)["tenant"]
+        for i in range(len(stack.metrics_ports))
+        for (name, lab), _ in stack.processor_metrics(i).items()
+        if name == "fleet_tenant_served_tokens_total"
+    }
+    assert "other" in labels and 1 < len(labels) <= 2 * 2 + 1, labels
+    assert not any("sk-" in label or "flood" in label for label in labels), labels
 
 
 def test_a_tenant_header_sent_by_the_client_is_ignored(stack: FleetStack) -> None:
