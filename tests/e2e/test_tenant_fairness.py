@@ -11,7 +11,7 @@ that names a tenant in the trusted tenant header is not believed: Envoy strips t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -23,7 +23,11 @@ from tests.e2e.conftest import dump_logs
 from tests.support.redis_server import RedisServer
 
 # 20 decode tokens/s: a request of 10 output tokens holds the class ~0.5 s.
-SIM_ARGS = ("--time-scale", "1", "--prefill-tps", "1000000", "--decode-tps", "20")
+# The cap on output is lifted so that the holder below streams until the test ends it.
+SIM_ARGS = (
+    *("--time-scale", "1", "--prefill-tps", "1000000", "--decode-tps", "20"),
+    *("--max-output", "1000000"),
+)
 OUTPUT = 10
 FLOOD_TEXT = "an agent's long tool transcript line. " * 200  # ~2,000 tokens
 STEADY_TEXT = "a short question. " * 20  # ~100 tokens
@@ -99,6 +103,8 @@ def test_steady_tenant_is_served_before_the_floods_queue_drains(stack: FleetStac
         # at a time, that is the order the processor admitted them in.
         return name, int(raw.parse().id.rpartition("sim")[2])
 
+    for i in range(len(stack.grpc_ports)):  # a stream to a replica not yet up fails open
+        stack.wait_processor_health(i)
     # The flood's first request holds the class as a stream this test ends: nothing is
     # admitted until every other request waits, however slowly they arrive.
     holder = client_for(stack, "sk-flood").chat.completions.create(
@@ -109,26 +115,31 @@ def test_steady_tenant_is_served_before_the_floods_queue_drains(stack: FleetStac
         extra_headers={"x-session-id": "flood-0"},
     )
     next(iter(holder))
+    inflight = "fleet_budget_inflight_requests"
+    wait_until(polled(lambda: metric(stack, inflight) >= 1), 180, "the holder's reservation")
     depth = "fleet_flow_queue_depth"
+    calls: list[Future[tuple[str, int]]] = []
+
+    def queued(n: int) -> Callable[[], bool]:
+        # True also when a request was answered instead of queueing: its result says how.
+        return polled(lambda: metric(stack, depth) >= n or any(c.done() for c in calls))
+
     with ThreadPoolExecutor(1 + QUEUED_FLOODS) as pool:
-        calls = []
-        for i in range(1, 1 + QUEUED_FLOODS):
-            calls.append(pool.submit(call, f"flood-{i}", "sk-flood", FLOOD_TEXT))
-            # One at a time, so their arrival order (and the flood's counter) is known.
-            wait_until(polled(lambda n=i: metric(stack, depth) >= n), 180, f"flood-{i} queued")
-        calls.append(pool.submit(call, "steady", "sk-steady", STEADY_TEXT))
         try:
-            wait_until(
-                polled(lambda: metric(stack, depth) >= 1 + QUEUED_FLOODS or calls[-1].done()),
-                180,
-                "steady queued",
-            )
-            if calls[-1].done():  # answered without waiting: say how (it raises)
-                calls[-1].result(timeout=0)
+            for i in range(1, 1 + QUEUED_FLOODS):
+                calls.append(pool.submit(call, f"flood-{i}", "sk-flood", FLOOD_TEXT))
+                # One at a time, so their arrival order (and the flood's counter) is known.
+                wait_until(queued(i), 180, f"flood-{i} queued")
+            calls.append(pool.submit(call, "steady", "sk-steady", STEADY_TEXT))
+            wait_until(queued(1 + QUEUED_FLOODS), 180, "steady queued")
+            for early in (c for c in calls if c.done()):
+                raise AssertionError(f"answered before the class was free: {early.result()}")
             holder.close()  # the client goes away: the budget is released, the queue drains
             done = [c.result(timeout=300) for c in calls]
-        except Exception:
+        except BaseException:
             print(dump_logs(stack))
+            print("failed open:", stack.envoy_stat("http.ingress.ext_proc.failure_mode_allowed"))
+            holder.close()
             raise
     order = [name for name, _ in sorted(done, key=lambda x: x[1])]
     # One at a time, in the fleet-wide fair order: the flood's first queued request (its
