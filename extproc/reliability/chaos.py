@@ -51,6 +51,7 @@ from extproc.reliability.chaos_bounds import (
     read_admissions,
 )
 from extproc.reliability.redis_proc import RedisProc
+from extproc.reliability.restart_hits import Conversations
 from extproc.reliability.tcp_proxy import TcpProxy
 from extproc.reliability.traffic import FAILURES, SteadyLoad, TrafficOptions
 from extproc.render.envoy_dynamic import write_atomically
@@ -70,6 +71,10 @@ CLASSES: list[dict[str, Any]] = [
     {"name": "long", "budget": {"max_concurrent": 1}, "wait": NO_WAIT},
 ]
 ERRORS = "fleet_ledger_redis_errors_total"
+RESTART_HITS_FAULT = "processor restart: prefix-cache hit ratio"
+# The restart row passes when the hit ratio in the first window after the restart is at least
+# this share of the steady window's.
+RESTART_HIT_FLOOR = 0.9
 LIMITS = {c["name"]: c["budget"]["max_concurrent"] for c in CLASSES}
 
 
@@ -97,6 +102,9 @@ class FaultResult:
     verdict: str = ""
     # Per class over its budget: what the requests running at the worst peak were.
     diagnosis: dict[str, Any] = field(default_factory=dict)
+    # The restart row: prefix-cache hit ratio of prompt-keyed conversations in the steady
+    # window before the restart and in the first window after it, and their ratio.
+    hit_ratio: dict[str, Any] = field(default_factory=dict)
     note: str = ""
 
 
@@ -126,6 +134,10 @@ class Chaos:
         # The processors' debug lines, read as the run goes: request id -> its admission.
         self._cursors: dict[int, LogCursor] = {}
         self._admissions: dict[str, Any] = {}
+        # The restart row's conversations and figures (see _restart_hits_fault).
+        self._conversations: tuple[Conversations, asyncio.Event, asyncio.Task[None]] | None = None
+        self._hits: dict[str, Any] = {}
+        self._restart_began = 0.0
 
     # ----- the fleet ------------------------------------------------------------------------
     def fleet(self) -> FleetStack:
@@ -208,6 +220,46 @@ class Chaos:
         proc = stack.sims.pop(spec.name)
         await asyncio.to_thread(proc.stop)
 
+    def _restart_hits_fault(self) -> Fault:
+        """Prompt-keyed conversations run; after a warm-up, the steady window; then both
+        processors are restarted one after the other (a deploy); then the first window after
+        the restart began. PASS needs the hit ratio after >= RESTART_HIT_FLOOR x steady."""
+        window = self.args.hit_window_s
+
+        async def inject() -> None:
+            conv = Conversations(self.fleet().url, seed=self.args.seed)
+            stop = asyncio.Event()
+            self._conversations = (conv, stop, asyncio.create_task(conv.run(stop)))
+            await asyncio.sleep(self.args.hit_warmup_s)
+            steady_from = time.monotonic()
+            await asyncio.sleep(window)
+            self._hits = {"steady_window": (steady_from, time.monotonic())}
+            self._restart_began = time.monotonic()
+            await self._sigterm_and_restart(0)
+            await self._sigterm_and_restart(1)
+
+        async def heal() -> None:
+            assert self._conversations is not None
+            conv, stop, task = self._conversations
+            began = self._restart_began
+            await asyncio.sleep(max(0.0, began + window - time.monotonic()))
+            stop.set()
+            await task
+            steady, n_steady = conv.ratio(*self._hits.pop("steady_window"))
+            after, n_after = conv.ratio(began, began + window)
+            relative = None if not steady or after is None else after / steady
+            self._hits = {
+                "steady": steady,
+                "after_restart": after,
+                "relative": relative,
+                "answers": [n_steady, n_after],
+                "failed": conv.failed,
+                "window_s": window,
+            }
+            self._conversations = None
+
+        return Fault(RESTART_HITS_FAULT, inject, heal)
+
     def schedule(self) -> list[Fault]:
         async def nothing() -> None:
             return None
@@ -270,6 +322,7 @@ class Chaos:
             ),
             Fault("config reload: add + remove a cluster", self._add_cluster, self._remove_cluster),
             Fault("client abort storm", set_abort(0.5), set_abort(0.0)),
+            self._restart_hits_fault(),
         ]
         if self.args.only:
             wanted = [w.strip().lower() for w in self.args.only.split(",")]
@@ -447,6 +500,11 @@ class Chaos:
         within = all(result.over_admission[k] <= result.bound[k] for k in LIMITS)
         bypassed = unclassed > 0 and not fail_open_allowed(fault.name)
         result.verdict = "PASS" if within and held == 0 and not bypassed else "FAIL"
+        if fault.name == RESTART_HITS_FAULT:
+            result.hit_ratio, self._hits = self._hits, {}
+            relative = result.hit_ratio.get("relative")
+            if relative is None or relative < RESTART_HIT_FLOOR:
+                result.verdict = "FAIL"
         result.diagnosis = diagnose(upstream, self._admissions, LIMITS, began_wall)
         opened = fail_open(upstream, self._admissions, began_wall)
         if opened:
@@ -508,6 +566,15 @@ def row(r: FaultResult) -> str:
         f"{r.unclassed_at_upstream:>9} {over:>10} {bound:>11} {r.redis_errors:>9} "
         f"{r.held_after_settle:>5g} {recover:>9}  {r.verdict or '-'}"
     )
+    if r.hit_ratio:
+        h = r.hit_ratio
+        line += (
+            f"\n      hit ratio: steady {_pct(h.get('steady'))}, first {h.get('window_s'):g} s "
+            f"after the restart {_pct(h.get('after_restart'))} "
+            f"(x{h['relative']:.3f} of steady; answers {h.get('answers')})"
+            if h.get("relative") is not None
+            else f"\n      hit ratio: not measured ({h})"
+        )
     if r.note:
         line += f"  [{r.note}]"
     if r.diagnosis:
@@ -515,7 +582,20 @@ def row(r: FaultResult) -> str:
     return line
 
 
+def _pct(value: object) -> str:
+    return f"{value:.1%}" if isinstance(value, float) else "-"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--hit-window-s",
+        type=float,
+        default=60.0,
+        help="restart row: the steady window and the window after the restart",
+    )
+    parser.add_argument(
+        "--hit-warmup-s", type=float, default=30.0, help="restart row: conversations before"
+    )
     parser.add_argument("--hold-s", type=float, default=10.0, help="how long each fault lasts")
     parser.add_argument("--rate", type=float, default=25.0, help="requests per second")
     parser.add_argument("--settle-s", type=float, default=20.0)

@@ -52,7 +52,7 @@ FAILOVER = ("cluster killed", "cluster erroring")
 # Rows whose fault takes a processor replica away: Envoy's ext_proc filter fails open
 # (failure_mode: open) for the streams it had sent there until it stops picking that replica.
 # Anywhere else a request reaching an upstream without a class is a bypass of the budgets.
-REPLICA_LOST = ("processor sigkill", "processor sigterm")
+REPLICA_LOST = ("processor sigkill", "processor sigterm", "processor restart")
 # Timestamps are rounded to the millisecond in the processor's log lines.
 CLOCK_SLACK_S = 0.002
 

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import orjson
 
-FAULTS = 13  # the baseline and twelve faults
+FAULTS = 14  # the baseline and thirteen faults
 
 
 def test_one_short_pass_of_the_fault_schedule(tmp_path: Path) -> None:
     out = tmp_path / "chaos"
     argv = [sys.executable, "-m", "extproc", "chaos", "--hold-s", "2", "--settle-s", "15"]
     argv += ["--recover-cap-s", "30", "--between-s", "1", "--out", str(out)]
+    argv += ["--hit-window-s", "10", "--hit-warmup-s", "10"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     results = orjson.loads((out / "chaos.json").read_bytes())["results"]
@@ -43,3 +44,7 @@ def test_one_short_pass_of_the_fault_schedule(tmp_path: Path) -> None:
         assert r["verdict"] in ("PASS", "FAIL") and set(r["bound"]) == set(r["over_admission"])
         over = [k for k, v in r["over_admission"].items() if v > 0]
         assert all(k in r["diagnosis"] for k in over), r
+    # The restart row measured the prefix-cache hit ratio before and after the restart.
+    (restart,) = [r for r in results if "hit ratio" in r["fault"]]
+    hits = restart["hit_ratio"]
+    assert hits["steady"] and hits["after_restart"] is not None and hits["relative"], hits
