@@ -12,6 +12,10 @@ import sys
 from pathlib import Path
 
 import orjson
+import pytest
+
+# The whole schedule in one subprocess: as long as its own timeout, not pytest's default.
+pytestmark = pytest.mark.timeout(960)
 
 FAULTS = 14  # the baseline and thirteen faults
 
