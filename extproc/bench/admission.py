@@ -27,6 +27,7 @@ from random import Random
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
+from extproc.bench.fair_queue_cost import QueueRow, memory_rows, redis_rows, tenant_us
 from extproc.config.load import parse_config
 from extproc.config.runtime import Runtime, compile_runtime
 from extproc.core.admission import Admitted, Ticket
@@ -242,7 +243,7 @@ def _table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-async def _bench(args: argparse.Namespace, url: str) -> list[Row]:
+async def _bench(args: argparse.Namespace, url: str) -> tuple[list[Row], list[QueueRow]]:
     rt = _runtime(args.requests + args.warmup)
     probe = Redis.from_url(url)
     try:
@@ -254,19 +255,20 @@ async def _bench(args: argparse.Namespace, url: str) -> list[Row]:
         )
         memory = await _measure("memory", rt, None, args, None)
         shared = await _measure("redis", rt, url, args, probe)
+        queued = [*memory_rows(args.requests), *await redis_rows(url, args.requests)]
     finally:
         await probe.aclose()
-    return [memory, shared]
+    return [memory, shared], queued
 
 
 def run(args: argparse.Namespace) -> int:
     if args.requests <= 0:
         raise SystemExit("extproc bench admission: --requests must be > 0")
     if args.redis_url:
-        rows = asyncio.run(_bench(args, args.redis_url))
+        rows, queued = asyncio.run(_bench(args, args.redis_url))
     else:
         with _redis_server(args.redis_server) as url:
-            rows = asyncio.run(_bench(args, url))
+            rows, queued = asyncio.run(_bench(args, url))
     print(_table(rows))
     for r in rows:
         if r.trips_admit is not None:
@@ -275,4 +277,19 @@ def run(args: argparse.Namespace) -> int:
                 f"reserve {r.server_us[0]:.1f} µs, release {r.server_us[1]:.1f} µs per call; "
                 "the rest is the loopback round trip and the client"
             )
+    print(_queue_table(queued, tenant_us(args.requests)))
     return 0
+
+
+def _queue_table(rows: list[QueueRow], naming_us: list[float]) -> str:
+    lines = [
+        "fair admission, per waiting request: its place in a contended queue (join + leave), "
+        "FIFO vs token-weighted",
+        "{:<8} {:<9} {:>10} {:>10}".format("ledger", "order", "p50", "p99"),
+    ]
+    for r in rows:
+        p50, p99 = _pct(r.join_leave_us, 0.50), _pct(r.join_leave_us, 0.99)
+        lines.append(f"{r.where:<8} {r.fairness:<9} {p50:>7.1f} µs {p99:>7.1f} µs")
+    p50, p99 = _pct(naming_us, 0.50), _pct(naming_us, 0.99)
+    lines.append(f"naming the tenant (API key digest, cached): p50 {p50:.2f} µs, p99 {p99:.2f} µs")
+    return "\n".join(lines)

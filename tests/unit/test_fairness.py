@@ -342,3 +342,12 @@ def test_top_tenants_keep_the_heavy_hitters_in_bounded_memory() -> None:
     assert rows[0][0] == "heavy"  # served more than total / N: always kept, ranked first
     assert sum(tokens for _, tokens, _ in rows) == total  # nothing lost or counted twice
     assert sum(n for _, _, n in rows) == 5000
+
+
+def test_bench_admission_measures_the_fair_queue_beside_fifo() -> None:
+    from extproc.bench.fair_queue_cost import memory_rows, tenant_us
+
+    rows = memory_rows(50)
+    assert [(r.where, r.fairness) for r in rows] == [("memory", "fifo"), ("memory", "tokens")]
+    assert all(len(r.join_leave_us) == 50 and min(r.join_leave_us) > 0 for r in rows)
+    assert len(tenant_us(30)) == 30
