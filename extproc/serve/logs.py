@@ -27,10 +27,19 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(doc, default=str).decode()
 
 
+# Libraries that log every call at debug level: grpc.aio two lines per RPC ("Loaded running
+# loop", "RPC cancelled" for every stream Envoy resets), redis one per connection. The
+# processor's debug level is for its own decisions; with theirs on, a loaded processor spent
+# most of its logging time on their lines and fell behind Envoy's message timeout sooner.
+QUIET_LIBRARIES = ("grpc", "redis", "asyncio", "aiohttp", "hpack", "h2", "urllib3")
+
+
 def setup_logging(level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(max(logging.INFO, root.level))
     logging.Formatter.converter = time.gmtime

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ import aiohttp
 import orjson
 import pytest
 
-from extproc.harness.launch import Client, FleetStack, wait_until
+from extproc.harness.launch import LOOPBACK, Client, FleetStack, wait_until
 from tests.e2e.conftest import dump_logs
 from tests.support.flow import NO_PLACEMENT, refused_at_once
 from tests.support.redis_server import RedisServer
@@ -187,12 +188,19 @@ def test_two_processors_sharing_redis_enforce_one_budget(
         stack = FleetStack(
             tmp_path_factory.mktemp("shared"),
             clusters=2,
-            sim_args=SIM_ARGS,
+            # 20 tokens/s on the simulated cluster's clock: the holder below would keep the
+            # budget for minutes; it leaves (hangs up) once the others were decided.
+            sim_args=(
+                *("--time-scale", "1", "--prefill-tps", "1000000", "--decode-tps", "20"),
+                *("--max-output", "4000"),  # the simulated cluster caps at 64 otherwise
+            ),
             processors=2,
             fleet_overrides={
                 "classes": refused_at_once(classes),
                 "flow": NO_PLACEMENT,
-                "redis": {"url": redis_server.url, "replicas": 2},
+                # Generous: the test is about the shared budget; a timed-out ledger call would
+                # admit on the replica's local share instead.
+                "redis": {"url": redis_server.url, "replicas": 2, "timeout_ms": 2000},
             },
         )
         with stack:
@@ -207,9 +215,42 @@ def test_two_processors_sharing_redis_enforce_one_budget(
                 finally:
                     client.close()
 
-            with ThreadPoolExecutor(10) as pool:
-                statuses = Counter(pool.map(post, range(10)))
-            assert statuses[200] == 1 and statuses[429] == 9, (statuses, dump_logs(stack))
+            def held() -> float:
+                try:
+                    scraped = [stack.processor_metrics(i) for i in range(2)]
+                except OSError:  # a busy replica's metrics did not answer in time: poll again
+                    return -1
+                return sum(
+                    v
+                    for m in scraped
+                    for (n, _l), v in m.items()
+                    if n == "fleet_budget_inflight_requests"
+                )
+
+            body = orjson.loads(long_body(0))
+            body["max_tokens"] = 4000  # ~200 s: longer than any machine needs for the rest
+            holder = socket.create_connection((LOOPBACK, stack.listener_port), timeout=60)
+            raw = orjson.dumps(body)
+            holder.sendall(
+                f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"x-session-id: one-agent\r\ncontent-length: {len(raw)}\r\n\r\n".encode()
+                + raw
+            )
+            try:
+                wait_until(lambda: held() == 1, 60, "the holder admitted")
+                # While it holds the one budget, every other request is refused, whichever
+                # processor decides it.
+                with ThreadPoolExecutor(9) as pool:
+                    statuses = Counter(pool.map(post, range(1, 10)))
+                # The holder is still running, and nothing else was admitted meanwhile.
+                readings: list[float] = []
+                wait_until(lambda: readings.append(held()) or readings[-1] >= 0, 60, "a reading")
+                assert readings[-1] == 1, readings
+            finally:
+                holder.close()
+            assert statuses[429] == 9, (statuses, dump_logs(stack))
+            # The holder hung up: its budget comes back.
+            wait_until(lambda: held() == 0, 60, "the holder's budget released")
             served = [stack.processor_metrics(i) for i in range(2)]
             decided = [
                 sum(v for (n, _l), v in m.items() if n == "fleet_requests_total") for m in served

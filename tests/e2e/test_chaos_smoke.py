@@ -14,10 +14,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-# The whole schedule in one subprocess: as long as its own timeout, not pytest's default.
-pytestmark = pytest.mark.timeout(960)
-
 FAULTS = 14  # the baseline and thirteen faults
+# A hang guard, not a speed bound: the schedule takes ~6 minutes on a quiet machine and several
+# times that on a starved one (each processor restart alone took 20 s there).
+RUN_LIMIT_S = 2400
+
+pytestmark = pytest.mark.timeout(RUN_LIMIT_S + 60)
 
 
 def test_one_short_pass_of_the_fault_schedule(tmp_path: Path) -> None:
@@ -25,7 +27,7 @@ def test_one_short_pass_of_the_fault_schedule(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "extproc", "chaos", "--hold-s", "2", "--settle-s", "15"]
     argv += ["--recover-cap-s", "30", "--between-s", "1", "--out", str(out)]
     argv += ["--hit-window-s", "10", "--hit-warmup-s", "10"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_LIMIT_S, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     results = orjson.loads((out / "chaos.json").read_bytes())["results"]
     assert len(results) == FAULTS, [r["fault"] for r in results]

@@ -39,7 +39,11 @@ from tests.support.redis_server import RedisServer
 
 CHAT = "/v1/chat/completions"
 # 20 decode tokens/s: a long request (16 output tokens) holds its budget ~0.8 s.
-SIM_ARGS = ("--time-scale", "1", "--prefill-tps", "1000000", "--decode-tps", "20")
+# --max-output: the holders below ask for hundreds of tokens (the simulated cluster caps at 64).
+SIM_ARGS = (
+    *("--time-scale", "1", "--prefill-tps", "1000000", "--decode-tps", "20"),
+    *("--max-output", "1000"),
+)
 LONG_OUTPUT = 16
 MAX_WAIT_S = 20.0
 MAX_QUEUE = 4  # fleet-wide: both replicas share one queue in Redis
@@ -285,7 +289,9 @@ def test_new_session_on_full_primary_lands_on_next_candidate_and_stays(stack: Fl
     fresh = next(f"fresh-{i}" for i in range(2000) if ranked(runtime, f"fresh-{i}")[0] == full)
     expected = ranked(runtime, fresh)[1]
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(post, stack, holder, long_body("hold", output=60))  # ~3 s
+        # ~15 s on the simulated cluster's clock: it holds the primary while the fresh turn
+        # is decided.
+        running = pool.submit(post, stack, holder, long_body("hold", output=300))
         wait_until(
             polled(lambda: metric(stack, "fleet_budget_inflight_requests", cluster=full) == 1),
             60,
