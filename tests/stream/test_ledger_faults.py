@@ -228,6 +228,7 @@ async def run_fault(
     clients: int,
     seconds: float,
     seed: int = 1,
+    probe_interval_s: float = 0.2,
 ) -> Row:
     rt = make_runtime(
         server.url,
@@ -237,7 +238,7 @@ async def run_fault(
         timeout_ms=50,
     )
     registries = [CollectorRegistry() for _ in range(REPLICAS)]
-    gates = [await gate_for(rt, reg, probe_interval_s=0.2) for reg in registries]
+    gates = [await gate_for(rt, reg, probe_interval_s=probe_interval_s) for reg in registries]
     cluster = rt.policy.route(request(rt, SESSION)).placement.primary
     rng = random.Random(seed)
     stop = asyncio.Event()
@@ -491,16 +492,28 @@ async def _full() -> list[Row]:
     return rows
 
 
-async def _cluster_only() -> list[Row]:
+async def _cluster_only(probe_interval_s: float) -> list[Row]:
     with RedisClusterServers() as cluster:
         return [
-            await run_fault(cluster, CLUSTER_FAULT, KillClusterPrimary(), clients=64, seconds=15.0)
+            await run_fault(
+                cluster,
+                CLUSTER_FAULT,
+                KillClusterPrimary(),
+                clients=64,
+                seconds=15.0,
+                probe_interval_s=probe_interval_s,
+            )
         ]
 
 
 if __name__ == "__main__":
-    # `... test_ledger_faults cluster`: the Redis Cluster row alone.
-    result = asyncio.run(_cluster_only() if sys.argv[1:] == ["cluster"] else _full())
+    # `... test_ledger_faults cluster [probe interval s]`: the Redis Cluster row alone, with the
+    # ledger's Redis probe interval (1 s in `extproc serve`; 0.2 s by default here).
+    if sys.argv[1:2] == ["cluster"]:
+        interval = float(sys.argv[2]) if len(sys.argv) > 2 else 0.2
+        result = asyncio.run(_cluster_only(interval))
+    else:
+        result = asyncio.run(_full())
     print(_markdown(result))
     print(json.dumps([asdict(r) for r in result]))
 
