@@ -6,8 +6,11 @@ started once. Each arm puts its own Envoy in front of them (``extproc``: Envoy +
 ``round_robin``: Envoy alone over every engine) and runs the same multi-turn conversations with
 no session id: a shared system prompt, a first user message of each conversation's own, every
 turn appending the reply and a new question, sent one request at a time, turn by turn across
-the conversations. Each arm's conversations carry their own salt at the start, so no arm reuses
-another's cache.
+the conversations. Use an odd number of conversations: with an even one, round robin over two
+engines sends every turn of a conversation to the same engine (request i goes to engine i mod
+2), which is affinity by accident. Each turn adds more than one of vLLM's 128-token cache blocks
+(the question and ``--max-tokens`` of reply), so a history is worth caching. Each arm's
+conversations carry their own salt at the start, so no arm reuses another's cache.
 
 Per arm: the engines' own prefix-cache hit ratio over the arm (``vllm:prefix_cache_hits_total``
 / ``vllm:prefix_cache_queries_total`` deltas), the prompt tokens they evaluated (the prefill
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 ARMS = ("round_robin", "extproc")
 SYSTEM = "You are the fleet's assistant. Answer briefly and cite the routing manual. " * 24
 FIXED = {"ignore_eos": True, "temperature": 0}
+FOLLOW_UP = "Then say what happens to the session when its primary cluster is gone. " * 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +127,7 @@ def run_arm(
                             text.append(chunk.choices[0].delta.content)
                     ttfts.append(first if first is not None else time.perf_counter() - started)
                     messages.append({"role": "assistant", "content": "".join(text)})
-                    messages.append({"role": "user", "content": f"And after turn {turn}?"})
+                    messages.append({"role": "user", "content": f"{FOLLOW_UP} (turn {turn})"})
             hits1, queries1 = _counters(ports)
         finally:
             client.close()
@@ -142,24 +146,25 @@ def compare(
     engines: Mapping[str, Sequence[int]],
     workdir: Path,
     model: str = "tiny",
-    conversations: int = 8,
+    conversations: int = 7,
     turns: int = 4,
-    max_tokens: int = 8,
+    max_tokens: int = 32,
     arms: Sequence[str] = ARMS,
 ) -> list[ArmResult]:
     return [run_arm(arm, engines, workdir, model, conversations, turns, max_tokens) for arm in arms]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--conversations", type=int, default=7, help="odd: see above")
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=4, help="each engine's")
     parser.add_argument("--workdir", type=Path, default=Path("out/bench-real-affinity"))
     parser.add_argument("--json", type=Path, help="also write the results here")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Start two engines, run both arms over them, print the table."""
     from extproc.harness.real_engines import vllm
     from extproc.harness.real_engines.base import ENGINES_DIR, running
 
