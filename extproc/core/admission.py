@@ -140,7 +140,7 @@ class Ticket:
 
 
 @dataclass(frozen=True, slots=True)
-class Usage:
+class CompartmentUsage:
     """One (cluster, class) compartment as a ledger saw it."""
 
     inflight_tokens: int = 0
@@ -186,7 +186,7 @@ class LedgerAnswer:
 
     granted: bool
     ticket: Ticket | None
-    usage: Usage
+    usage: CompartmentUsage
     released: ReleaseStats
     now: float
     # Requests (and their tokens) in the compartment's fleet-wide queue (the Redis ledger's
@@ -213,7 +213,7 @@ class Quota:
 class Admitted:
     demand: Demand
     ticket: Ticket
-    usage: Usage
+    usage: CompartmentUsage
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +283,7 @@ def _token_limit(limits: Budget) -> int | None:
     return limits.max_inflight_tokens or limits.burst_tokens or None
 
 
-def _token_remaining(limits: Budget, usage: Usage) -> int | None:
+def _token_remaining(limits: Budget, usage: CompartmentUsage) -> int | None:
     left: list[int] = []
     if limits.max_inflight_tokens:
         left.append(max(0, limits.max_inflight_tokens - usage.inflight_tokens))
@@ -292,7 +292,9 @@ def _token_remaining(limits: Budget, usage: Usage) -> int | None:
     return min(left) if left else None
 
 
-def _quotas(demand: Demand, usage: Usage | None, waits: dict[Reason, float]) -> tuple[Quota, ...]:
+def _quotas(
+    demand: Demand, usage: CompartmentUsage | None, waits: dict[Reason, float]
+) -> tuple[Quota, ...]:
     lim = demand.limits
     name = demand.class_name
     out: list[Quota] = []

@@ -40,7 +40,7 @@ from typing import Literal
 from extproc.core.api import Api, BadRequest
 from extproc.core.chains import Chain, ChainParams, ChainSketch, KeyNode, chunk_chain
 from extproc.core.prompt import (
-    Budget,
+    CharBudget,
     content_text,
     message_content,
     message_role,
@@ -140,7 +140,7 @@ class _Opening:
     def __init__(self, rules: KeyRules) -> None:
         self._rules = rules
         self.system: list[str] = []
-        self._system = Budget(rules.system_chars)
+        self._system = CharBudget(rules.system_chars)
         self.first: str | None = None
 
     def add_system(self, content: object) -> None:
@@ -150,7 +150,7 @@ class _Opening:
 
     def set_first(self, role: str, content: object) -> None:
         if self.first is None:
-            budget = Budget(self._rules.first_message_chars)
+            budget = CharBudget(self._rules.first_message_chars)
             self.first = role + "\x1f" + content_text(content, budget)
 
     def material(self) -> bytes:

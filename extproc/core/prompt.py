@@ -12,7 +12,7 @@ catalogue, then every message / Responses input item; for ``/v1/completions``, t
 (the first one of a batch). That is the order an engine's chat template prefills them in, so a
 later turn's walk starts with the earlier turn's.
 
-Pure, and bounded: every text is read through a :class:`Budget`, and non-text parts (images,
+Pure, and bounded: every text is read through a :class:`CharBudget`, and non-text parts (images,
 files, audio) through a bounded :func:`fingerprint`.
 """
 
@@ -71,7 +71,7 @@ def fingerprint(part: object) -> str:
     return "\x1c" + "\x1c".join(out)
 
 
-class Budget:
+class CharBudget:
     """Characters left to read; every text of the walk is taken through one."""
 
     def __init__(self, chars: int) -> None:
@@ -85,7 +85,7 @@ class Budget:
         return piece
 
 
-def content_text(content: object, budget: Budget) -> str:
+def content_text(content: object, budget: CharBudget) -> str:
     """A message's content (a string, a part, or a list of typed parts) as text."""
     if isinstance(content, str):
         return budget.take(content)
@@ -152,14 +152,14 @@ def prompt_parts(api: Api, doc: Mapping[str, object]) -> Iterator[tuple[PartKind
             yield "message", msg
 
 
-def _tools(tools: object, budget: Budget) -> str:
+def _tools(tools: object, budget: CharBudget) -> str:
     # Sorted keys: two clients that serialise the same catalogue differently still agree.
     # The catalogue is bounded by the body limit; slicing keeps the hashed part bounded.
     text = orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode("utf-8", "replace")
     return budget.take(text)
 
 
-def _message(msg: object, budget: Budget) -> str:
+def _message(msg: object, budget: CharBudget) -> str:
     role = message_role(msg)
     if role is not None:
         text = budget.take(role + "\x1f") + content_text(message_content(msg), budget)
@@ -177,7 +177,7 @@ def _message(msg: object, budget: Budget) -> str:
 def prompt_segments(api: Api, doc: Mapping[str, object], scan_chars: int) -> list[str]:
     """The whole canonical prompt as tagged segments (one per part), at most ``scan_chars``
     characters in all."""
-    budget = Budget(scan_chars)
+    budget = CharBudget(scan_chars)
     out: list[str] = []
     for kind, value in prompt_parts(api, doc):
         if budget.left <= 0:

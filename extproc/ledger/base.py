@@ -15,11 +15,11 @@ nothing) and ``close()``; ``store`` is the tag written into every ticket it issu
 from __future__ import annotations
 
 from extproc.core.admission import (
+    CompartmentUsage,
     Demand,
     LedgerAnswer,
     ReleaseStats,
     Ticket,
-    Usage,
 )
 from extproc.core.fleet import Budget
 
@@ -30,10 +30,10 @@ class LedgerUnavailable(Exception):
 
 __all__ = [
     "Budget",
+    "CompartmentUsage",
     "Demand",
     "LedgerAnswer",
     "LedgerUnavailable",
     "ReleaseStats",
     "Ticket",
-    "Usage",
 ]

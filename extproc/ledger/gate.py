@@ -43,15 +43,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from extproc.config.runtime import Runtime
 from extproc.core.admission import (
     Admitted,
+    CompartmentUsage,
     Demand,
     LedgerAnswer,
-    Reason,
     Reject,
     Ticket,
-    Usage,
-    bounded_wait,
     plan,
-    queued_wait,
     request_tokens,
     unavailable,
     verdict,
@@ -59,7 +56,8 @@ from extproc.core.admission import (
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
 from extproc.core.fleet import Budget, RequestClass
-from extproc.core.flow import FairCharge, FairClaim, QueueVerdict, WaitPolicy, queue_decision
+from extproc.core.flow import FairCharge, FairClaim, QueueVerdict, WaitPolicy
+from extproc.core.queue_policy import flow_outlook, queue_refusal, queue_verdict
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.metrics import LedgerMetrics
@@ -327,12 +325,8 @@ class AdmissionGate:
         if self.mode == "redis":  # the fleet-wide queue
             queued, queued_tokens = answer.queued, answer.queued_tokens
             out["queued"] = queued
-        estimate = queued_wait(demand, answer, queued, queued_tokens)
-        if not queued and queued_wait(demand, answer) == 0:
-            would = "admit"
-        else:
-            would = queue_decision(policy, queued, estimate).value
-        return {**out, "would": would, "estimated_wait_s": round(bounded_wait(estimate), 3)}
+        would, estimate = flow_outlook(demand, answer, policy, queued, queued_tokens)
+        return {**out, "would": would, "estimated_wait_s": round(estimate, 3)}
 
     @property
     def metrics(self) -> LedgerMetrics:
@@ -356,16 +350,12 @@ class AdmissionGate:
         reject = attempt.outcome
         assert isinstance(reject, Reject)
         answer = attempt.answer
-        if answer is None or reject.status != 429 or reject.reason is Reason.LOCAL_SHARE:
-            self._count_reject(reject)
-            return reject
         key = (demand.cluster, demand.class_name)
         shared = self._shared if self.mode == "redis" else None  # then the answer is Redis's
         ahead, ahead_tokens = self.waiters.ahead(*key)
-        if shared is not None:
+        if shared is not None and answer is not None:
             ahead, ahead_tokens = answer.queued, answer.queued_tokens
-        estimate = queued_wait(attempt.demand, answer, ahead, ahead_tokens)
-        decision = queue_decision(policy, ahead, estimate)
+        decision = queue_verdict(reject, attempt.demand, answer, policy, ahead, ahead_tokens)
         joined: Joined | None = None
         if decision is QueueVerdict.WAIT and shared is not None:
             # None when Redis failed: this replica's queue alone.
@@ -377,6 +367,7 @@ class AdmissionGate:
                     joined.ahead_tokens,
                 )
         if decision is QueueVerdict.WAIT:
+            assert answer is not None  # queue_verdict waits only on a ledger's refusal
             waiter = self.waiters.join(key, claim, demand.tokens, joined)
             return Queued(
                 self,
@@ -392,14 +383,9 @@ class AdmissionGate:
             )
         if decision is not QueueVerdict.NO_WAIT:
             self._m.waits.labels(demand.class_name, decision.value).inc()
-            why = (
-                f"{ahead} requests already wait for it"
-                if decision is QueueVerdict.OVERFLOW
-                else f"the estimated wait exceeds its class's max_wait_s of {policy.max_wait_s:g}s"
-            )
-            refusal = verdict(attempt.demand, answer, self._rng, ahead, ahead_tokens, why=why)
-            assert isinstance(refusal, Reject)
-            reject = refusal
+        reject = queue_refusal(
+            decision, reject, attempt.demand, answer, policy, ahead, ahead_tokens, self._rng
+        )
         self._count_reject(reject)
         return reject
 
@@ -619,9 +605,9 @@ class AdmissionGate:
             )
         return series
 
-    def _redis_usage(self, demand: Demand) -> Usage | None:
+    def _redis_usage(self, demand: Demand) -> CompartmentUsage | None:
         held = self._redis_held.get((demand.cluster, demand.class_name))
-        return Usage(held[0], held[1]) if held else None
+        return CompartmentUsage(held[0], held[1]) if held else None
 
     def _track(self, ticket: Ticket, key: str | None = None, admitted: bool = True) -> None:
         """Hold ``ticket`` under ``key`` (its own lease id unless it was adopted: then the

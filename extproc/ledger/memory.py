@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 
 from extproc.core.admission import (
     RELEASE_RATE_TAU_S,
+    CompartmentUsage,
     Demand,
     LedgerAnswer,
     ReleaseStats,
     Ticket,
-    Usage,
 )
 from extproc.core.fleet import Budget
 
@@ -62,13 +62,13 @@ class _Compartment:
         ticket: Ticket | None,
         level: float,
         now: float,
-        also: Usage | None = None,
+        also: CompartmentUsage | None = None,
     ) -> LedgerAnswer:
         extra_tokens, extra_count = (also.inflight_tokens, also.concurrent) if also else (0, 0)
         return LedgerAnswer(
             granted,
             ticket,
-            Usage(self.tokens + extra_tokens, self.count + extra_count, level),
+            CompartmentUsage(self.tokens + extra_tokens, self.count + extra_count, level),
             ReleaseStats(self.rel_n, self.rel_tokens, self.rel_at, self.rel_since),
             now,
         )
@@ -89,7 +89,7 @@ class MemoryLedger:
             comp = self._compartments[key] = _Compartment()
         return comp
 
-    def reserve_now(self, demand: Demand, also: Usage | None = None) -> LedgerAnswer:
+    def reserve_now(self, demand: Demand, also: CompartmentUsage | None = None) -> LedgerAnswer:
         """The atomic step itself, synchronous: check every dimension, then take them all.
 
         ``also``: usage held elsewhere that counts against the same limits (the gate's own

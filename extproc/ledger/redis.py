@@ -63,11 +63,11 @@ from redis.exceptions import NoScriptError, RedisClusterException, RedisError, R
 
 from extproc.core.admission import (
     RELEASE_RATE_TAU_S,
+    CompartmentUsage,
     Demand,
     LedgerAnswer,
     ReleaseStats,
     Ticket,
-    Usage,
 )
 from extproc.core.fleet import Budget
 from extproc.ledger.base import LedgerUnavailable
@@ -241,7 +241,7 @@ class RedisLedger:
         return LedgerAnswer(
             granted,
             ticket if granted else None,
-            Usage(int(raw[1]), int(raw[2]), _num(raw[3])),
+            CompartmentUsage(int(raw[1]), int(raw[2]), _num(raw[3])),
             ReleaseStats(_num(raw[4]), _num(raw[5]), _num(raw[6]), _num(raw[7])),
             _num(raw[8]),
             int(raw[9]),

@@ -32,12 +32,13 @@ from types import MappingProxyType
 import numpy as np
 import numpy.typing as npt
 
-from extproc.core.admission import Demand, Reject, Ticket, plan, queued_wait, verdict
+from extproc.core.admission import Demand, Reject, Ticket, plan, verdict
 from extproc.core.decide import Route
 from extproc.core.endpoints import DEFAULT_BALANCE, DEFAULT_MIN_INFLIGHT
 from extproc.core.fleet import RequestClass
-from extproc.core.flow import FairQueue, QueueVerdict, WaitPolicy, queue_decision
+from extproc.core.flow import FairQueue, QueueVerdict, WaitPolicy
 from extproc.core.placement import Placement
+from extproc.core.queue_policy import queue_refusal, queue_verdict
 from extproc.ledger.memory import MemoryLedger
 from extproc.pipeline.admission import admit_first_fit
 from extproc.sim.engines import EngineCluster, EngineSpill, cluster_state
@@ -375,25 +376,25 @@ def run_policy(
         klass = classes[t_class[templates[i]]]
         policy_w = config.waits.get(klass.name, WaitPolicy())
         demand = demand_of(i, cluster)
-        if refusal.status != 429 or not policy_w.enabled or isinstance(demand, Reject):
+        if not isinstance(demand, Demand):  # a 413 (or no budget): nothing to wait for
             refuse(i, refusal, attempt, now)
             return
-        assert demand is not None and not isinstance(demand, Reject)
         key = (cluster, klass.name)
         q = queues.get(key)
-        if q is None:
-            q = queues[key] = FairQueue()
+        ahead, ahead_tokens = (len(q), q.tokens) if q is not None else (0, 0)
         answer = ledger.usage_now(cluster, klass.name, demand.limits)
-        ahead, ahead_tokens = len(q), q.tokens
-        estimate = queued_wait(demand, answer, ahead, ahead_tokens)
-        if queue_decision(policy_w, ahead, estimate) is QueueVerdict.WAIT:
+        decision = queue_verdict(refusal, demand, answer, policy_w, ahead, ahead_tokens)
+        if decision is QueueVerdict.WAIT:
+            if q is None:
+                q = queues[key] = FairQueue()
             qid = q.push(i, "", 1.0, t_in[templates[i]])
             queued[i] = (key, qid, attempt)
             seq += 1
             heapq.heappush(deadlines, (now + policy_w.max_wait_s, seq, i))
             return
-        hinted = verdict(demand, answer, retry_rng, ahead, ahead_tokens)
-        assert isinstance(hinted, Reject)
+        hinted = queue_refusal(
+            decision, refusal, demand, answer, policy_w, ahead, ahead_tokens, retry_rng
+        )
         refuse(i, hinted, attempt, now)
 
     def drain(key: tuple[str, str], now: float) -> None:

@@ -16,13 +16,13 @@ from extproc.core.admission import (
     NO_SIGNAL_WAIT_S,
     RELEASE_RATE_TAU_S,
     Admitted,
+    CompartmentUsage,
     Demand,
     LedgerAnswer,
     Reason,
     Reject,
     ReleaseStats,
     Ticket,
-    Usage,
     jittered_seconds,
     plan,
     request_tokens,
@@ -235,7 +235,9 @@ def demand_for(limits: Budget, tokens: int) -> Demand:
     return Demand("c1", "short", tokens, budget, limits)
 
 
-def refused(usage: Usage, released: ReleaseStats | None = None, now: float = 100.0) -> LedgerAnswer:
+def refused(
+    usage: CompartmentUsage, released: ReleaseStats | None = None, now: float = 100.0
+) -> LedgerAnswer:
     return LedgerAnswer(False, None, usage, released or ReleaseStats(), now)
 
 
@@ -248,7 +250,9 @@ def steady(rate_per_s: float, tokens_each: float, now: float) -> ReleaseStats:
 def test_granted_answer_is_an_admission_carrying_the_ticket() -> None:
     d = demand_for(Budget(max_inflight_tokens=100), 10)
     ticket = Ticket("c1", "short", 10, "lease-1", "memory")
-    out = verdict(d, LedgerAnswer(True, ticket, Usage(10, 1), ReleaseStats(), 0.0), Random(1))
+    out = verdict(
+        d, LedgerAnswer(True, ticket, CompartmentUsage(10, 1), ReleaseStats(), 0.0), Random(1)
+    )
     assert isinstance(out, Admitted)
     assert out.ticket == ticket
 
@@ -257,7 +261,7 @@ def test_inflight_wait_comes_from_the_observed_token_release_rate() -> None:
     limits = Budget(max_inflight_tokens=10_000)
     d = demand_for(limits, 3_000)
     # 9000 in flight + 3000 wanted = 2000 over; 400 tokens/s complete → 5 s.
-    ans = refused(Usage(9_000, 5), steady(2.0, 200.0, 100.0))
+    ans = refused(CompartmentUsage(9_000, 5), steady(2.0, 200.0, 100.0))
     wait = (9_000 + 3_000 - 10_000) / 400.0
     for seed in range(50):
         out = verdict(d, ans, Random(seed))
@@ -272,8 +276,8 @@ def test_inflight_wait_comes_from_the_observed_token_release_rate() -> None:
 
 def test_faster_completions_give_shorter_retry_hints() -> None:
     d = demand_for(Budget(max_inflight_tokens=10_000), 3_000)
-    slow = verdict(d, refused(Usage(9_000, 5), steady(0.5, 200.0, 100.0)), Random(7))
-    fast = verdict(d, refused(Usage(9_000, 5), steady(20.0, 200.0, 100.0)), Random(7))
+    slow = verdict(d, refused(CompartmentUsage(9_000, 5), steady(0.5, 200.0, 100.0)), Random(7))
+    fast = verdict(d, refused(CompartmentUsage(9_000, 5), steady(20.0, 200.0, 100.0)), Random(7))
     assert isinstance(slow, Reject) and isinstance(fast, Reject)
     assert slow.retry_after_s is not None and fast.retry_after_s is not None
     assert fast.retry_after_s < slow.retry_after_s
@@ -281,7 +285,7 @@ def test_faster_completions_give_shorter_retry_hints() -> None:
 
 def test_concurrency_wait_uses_the_request_completion_rate() -> None:
     d = demand_for(Budget(max_concurrent=4), 10)
-    ans = refused(Usage(40, 4), steady(0.25, 10.0, 100.0))  # one completion every 4 s
+    ans = refused(CompartmentUsage(40, 4), steady(0.25, 10.0, 100.0))  # one completion every 4 s
     out = verdict(d, ans, Random(3))
     assert isinstance(out, Reject) and out.reason is Reason.CONCURRENCY
     assert out.retry_after_s is not None and 4 <= out.retry_after_s <= 6
@@ -291,7 +295,7 @@ def test_concurrency_wait_uses_the_request_completion_rate() -> None:
 def test_token_bucket_wait_is_the_refill_time() -> None:
     limits = Budget(tokens_per_second=100.0, burst_tokens=5_000)
     d = demand_for(limits, 1_200)
-    out = verdict(d, refused(Usage(0, 0, bucket_tokens=200.0)), Random(11))
+    out = verdict(d, refused(CompartmentUsage(0, 0, bucket_tokens=200.0)), Random(11))
     assert isinstance(out, Reject) and out.reason is Reason.TOKEN_RATE
     assert out.reset_s == pytest.approx(10.0)
     assert out.retry_after_s is not None and 10 <= out.retry_after_s <= 15
@@ -306,7 +310,7 @@ def test_binding_dimension_is_the_one_with_the_longest_wait() -> None:
         max_inflight_tokens=1_000, max_concurrent=2, tokens_per_second=10.0, burst_tokens=1_000
     )
     d = demand_for(limits, 500)
-    ans = refused(Usage(900, 2, bucket_tokens=0.0), steady(1.0, 100.0, 100.0))
+    ans = refused(CompartmentUsage(900, 2, bucket_tokens=0.0), steady(1.0, 100.0, 100.0))
     out = verdict(d, ans, Random(5))
     assert isinstance(out, Reject)
     # inflight: 400 over at 100 tok/s = 4 s; concurrency: 1 at 1/s = 1 s; bucket: 500/10 = 50 s.
@@ -319,7 +323,7 @@ def test_without_any_completion_observed_the_hint_is_a_short_jittered_probe() ->
     hints = {
         r.retry_after_s
         for seed in range(200)
-        if isinstance(r := verdict(d, refused(Usage(10, 1)), Random(seed)), Reject)
+        if isinstance(r := verdict(d, refused(CompartmentUsage(10, 1)), Random(seed)), Reject)
     }
     assert min(h for h in hints if h is not None) >= 1
     assert max(h for h in hints if h is not None) <= math.ceil(NO_SIGNAL_WAIT_S * 1.5) + 1
@@ -328,7 +332,9 @@ def test_without_any_completion_observed_the_hint_is_a_short_jittered_probe() ->
 
 def test_retry_after_is_deterministic_per_seed_and_jittered_across_seeds() -> None:
     d = demand_for(Budget(max_inflight_tokens=10_000), 3_000)
-    ans = refused(Usage(9_500, 5), steady(1.0, 100.0, 100.0))  # 2500 over at 100 tok/s = 25 s
+    ans = refused(
+        CompartmentUsage(9_500, 5), steady(1.0, 100.0, 100.0)
+    )  # 2500 over at 100 tok/s = 25 s
 
     def hint(seed: int) -> int | None:
         out = verdict(d, ans, Random(seed))
@@ -349,7 +355,7 @@ def test_retry_after_is_capped() -> None:
 def test_local_share_too_small_for_the_request_is_429_local_share() -> None:
     whole = Budget(max_inflight_tokens=10_000)
     d = demand_for(whole, 8_000).shared(2)
-    out = verdict(d, refused(Usage(0, 0)), Random(1))
+    out = verdict(d, refused(CompartmentUsage(0, 0)), Random(1))
     assert isinstance(out, Reject)
     assert out.status == 429 and out.reason is Reason.LOCAL_SHARE
     assert "unreachable" in out.message
@@ -413,7 +419,7 @@ def test_ietf_fields_follow_the_draft_syntax_and_agree_with_retry_after(seed: in
         burst_tokens=100_000,
     )
     d = demand_for(limits, rng.randrange(1, 1_000))
-    usage = Usage(
+    usage = CompartmentUsage(
         inflight_tokens=rng.randrange(0, limits.max_inflight_tokens + 1),
         concurrent=limits.max_concurrent,  # at least this dimension refuses
         bucket_tokens=rng.uniform(0, 2_000),
@@ -449,7 +455,7 @@ def test_ietf_fields_follow_the_draft_syntax_and_agree_with_retry_after(seed: in
 
 def test_openai_headers_report_the_binding_token_dimension() -> None:
     d = demand_for(Budget(max_inflight_tokens=10_000), 3_000)
-    out = verdict(d, refused(Usage(9_000, 5), steady(2.0, 200.0, 100.0)), Random(1))
+    out = verdict(d, refused(CompartmentUsage(9_000, 5), steady(2.0, 200.0, 100.0)), Random(1))
     assert isinstance(out, Reject)
     values = dict(rate_limit_headers(out))
     assert values["x-ratelimit-limit-tokens"] == "10000"

@@ -20,12 +20,12 @@ from extproc.core.admission import (
     MAX_RETRY_AFTER_S,
     RELEASE_RATE_TAU_S,
     Admitted,
+    CompartmentUsage,
     Demand,
     LedgerAnswer,
     Reject,
     ReleaseStats,
     Ticket,
-    Usage,
     bounded_wait,
     jittered_seconds,
     plan,
@@ -56,7 +56,7 @@ def budgets(draw: st.DrawFn) -> Budget:
 @st.composite
 def answers(draw: st.DrawFn) -> LedgerAnswer:
     granted = draw(st.booleans())
-    usage = Usage(draw(SIZES), draw(SIZES), draw(ANY_FLOAT))
+    usage = CompartmentUsage(draw(SIZES), draw(SIZES), draw(ANY_FLOAT))
     released = ReleaseStats(
         draw(st.one_of(st.just(0.0), st.floats(min_value=0.0, allow_nan=False))),
         draw(st.floats(min_value=0.0, allow_nan=False)),
@@ -91,7 +91,11 @@ def assert_hints_bounded(reject: Reject) -> None:
     Budget(max_inflight_tokens=40_000),
     30_000,
     LedgerAnswer(
-        False, None, Usage(30_000, 3, 0.0), ReleaseStats(5.0, 50_000.0, 0.0, -100.0), 7_200.0
+        False,
+        None,
+        CompartmentUsage(30_000, 3, 0.0),
+        ReleaseStats(5.0, 50_000.0, 0.0, -100.0),
+        7_200.0,
     ),
     1,
     Random(1),
@@ -166,7 +170,11 @@ def test_denormal_decay_window_gives_the_longest_hint_not_a_crash() -> None:
     demand = Demand("c1", "short", 30_000, budget, budget.resolved())
     for idle in range(7_000, 7_500):
         answer = LedgerAnswer(
-            False, None, Usage(30_000, 4, 0.0), ReleaseStats(3.0, 9_000.0, 0.0, -5.0), idle
+            False,
+            None,
+            CompartmentUsage(30_000, 4, 0.0),
+            ReleaseStats(3.0, 9_000.0, 0.0, -5.0),
+            idle,
         )
         reject = verdict(demand, answer, Random(idle))
         assert isinstance(reject, Reject)

@@ -8,6 +8,7 @@ are all backlogged their service follows their weights within one request each.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from random import Random
 
@@ -15,11 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from extproc.core.admission import (
+    CompartmentUsage,
     Demand,
     LedgerAnswer,
+    Reason,
     Reject,
     ReleaseStats,
-    Usage,
     queued_wait,
     verdict,
 )
@@ -32,6 +34,7 @@ from extproc.core.flow import (
     queue_decision,
     secondary_for,
 )
+from extproc.core.queue_policy import flow_outlook, queue_refusal, queue_verdict
 from extproc.ledger.memory import MemoryLedger
 
 RANKED = ("c3", "c1", "c4", "c2")
@@ -64,7 +67,7 @@ def test_queue_decision() -> None:
 def _answer(concurrent: int, releases_per_s: float, now: float = 100.0) -> LedgerAnswer:
     # A steady rate r observed since long ago: decayed count r * tau (tau = 10 s).
     stats = ReleaseStats(releases_per_s * 10.0, 0.0, now, 0.0)
-    return LedgerAnswer(False, None, Usage(0, concurrent, 0.0), stats, now)
+    return LedgerAnswer(False, None, CompartmentUsage(0, concurrent, 0.0), stats, now)
 
 
 def test_queued_wait_counts_the_requests_ahead() -> None:
@@ -198,3 +201,39 @@ def test_queue_over_the_real_ledger_never_exceeds_budget_or_max_wait(
             drain_heads()
         assert ledger.held() == len(held) <= cap
         assert all(w <= max_wait + 1e-9 for w in waited)
+
+
+def test_the_wait_or_refuse_policy_is_the_cores() -> None:
+    """queue_verdict waits only on a ledger's 429 that a wait can cure; queue_refusal says
+    why it did not wait and counts the requests ahead; flow_outlook is explain's view."""
+    budget = Budget(max_concurrent=2)
+    demand = Demand("c1", "long", 10, budget, budget)
+    answer = _answer(concurrent=2, releases_per_s=0.5)  # one release every 2 s
+    refused = verdict(demand, answer, Random(1))
+    assert isinstance(refused, Reject)
+    policy = WaitPolicy(max_wait_s=5.0, max_queue=3)
+    assert queue_verdict(refused, demand, answer, policy, 0, 0) is QueueVerdict.WAIT
+    assert queue_verdict(refused, demand, answer, policy, 2, 20) is QueueVerdict.TOO_LONG
+    assert queue_verdict(refused, demand, answer, policy, 3, 30) is QueueVerdict.OVERFLOW
+    assert queue_verdict(refused, demand, answer, WaitPolicy(), 0, 0) is QueueVerdict.NO_WAIT
+    # No ledger answered (the closed policy's 503), or a refusal no wait cures: as it is.
+    assert queue_verdict(refused, demand, None, policy, 0, 0) is QueueVerdict.NO_WAIT
+    share = dataclasses.replace(refused, reason=Reason.LOCAL_SHARE)
+    assert queue_verdict(share, demand, answer, policy, 0, 0) is QueueVerdict.NO_WAIT
+    too_large = dataclasses.replace(refused, status=413)
+    assert queue_verdict(too_large, demand, answer, policy, 0, 0) is QueueVerdict.NO_WAIT
+
+    rng = Random(3)
+    args = (refused, demand, answer, policy, 3, 30, rng)
+    assert queue_refusal(QueueVerdict.NO_WAIT, *args) is refused
+    full = queue_refusal(QueueVerdict.OVERFLOW, *args)
+    assert "3 requests already wait for it" in full.message
+    assert full.retry_after_s is not None and full.retry_after_s >= 8  # four releases ahead
+    slow = queue_refusal(QueueVerdict.TOO_LONG, *args)
+    assert "exceeds its class's max_wait_s of 5s" in slow.message
+
+    would, estimate = flow_outlook(demand, answer, policy, 0, 0)
+    assert would == "wait" and math.isclose(estimate, 2.0, rel_tol=0.01)
+    assert flow_outlook(demand, answer, policy, 3, 30)[0] == "overflow"
+    roomy = _answer(concurrent=0, releases_per_s=0.5)
+    assert flow_outlook(demand, roomy, policy, 0, 0) == ("admit", 0.0)
