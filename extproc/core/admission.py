@@ -239,6 +239,17 @@ class Reject:
         return "service_unavailable"
 
 
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One check-and-reserve: the outcome, the demand as enforced (a replica's share while
+    the shared ledger is down) and the ledger's answer (None: no ledger answered, the
+    ``closed`` policy's 503)."""
+
+    outcome: Admitted | Reject
+    demand: Demand
+    answer: LedgerAnswer | None
+
+
 def request_tokens(facts: RequestFacts) -> int:
     """Cost of a request against its class budget: its estimated input tokens."""
     return facts.input_tokens

@@ -43,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from extproc.config.runtime import Runtime
 from extproc.core.admission import (
     Admitted,
+    Attempt,
     CompartmentUsage,
     Demand,
     LedgerAnswer,
@@ -94,16 +95,6 @@ class _LogThrottle:
             return None
         self._last[key] = now
         return self._suppressed.pop(key, 0)
-
-
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """One check-and-reserve: the outcome, the demand as enforced (a replica's share while
-    Redis is down) and the ledger's answer (None for the closed policy's 503)."""
-
-    outcome: Admitted | Reject
-    demand: Demand
-    answer: LedgerAnswer | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,13 +227,7 @@ class AdmissionGate:
         """Reserve budget for one request on its primary cluster. Never raises for Redis."""
         planned = plan(request_tokens(facts), route)
         if planned is None:
-            name = route.request_class.name
-            counter = self._unbudgeted.get(name)
-            if counter is None:
-                if len(self._unbudgeted) >= 4096:  # class names come from reloads: bound it
-                    self._unbudgeted.clear()
-                counter = self._unbudgeted[name] = self._m.admissions.labels(name, "unbudgeted")
-            counter.inc()
+            self.count_unbudgeted(route.request_class.name)
             return None
         if isinstance(planned, Reject):
             self._count_reject(planned)
@@ -304,6 +289,16 @@ class AdmissionGate:
     def count_reject(self, reject: Reject) -> None:
         self._count_reject(reject)
 
+    def count_unbudgeted(self, class_name: str) -> None:
+        """A request of a class without a budget: routed, nothing reserved."""
+        counter = self._unbudgeted.get(class_name)
+        if counter is None:
+            if len(self._unbudgeted) >= 4096:  # class names come from reloads: bound it
+                self._unbudgeted.clear()
+            counter = self._m.admissions.labels(class_name, "unbudgeted")
+            self._unbudgeted[class_name] = counter
+        counter.inc()
+
     async def flow_preview(
         self, cluster: str, request_class: RequestClass, tokens: int
     ) -> dict[str, object]:
@@ -342,7 +337,8 @@ class AdmissionGate:
     ) -> Queued | Reject:
         """After a refused ``attempt`` of ``demand``: join its queue, or the 429 to answer now
         (the class does not wait, the queue is full, or the estimated wait is too long: the
-        hint is then that estimate, counting the requests queued ahead).
+        hint is then that estimate, counting the requests queued ahead), for the caller to
+        count (:meth:`count_reject`) as the request's one refusal.
 
         With Redis the queue is fleet-wide (queue.lua): its length, its order and the
         requests ahead count every replica's waiters; this replica's waiters keep that order
@@ -383,11 +379,9 @@ class AdmissionGate:
             )
         if decision is not QueueVerdict.NO_WAIT:
             self._m.waits.labels(demand.class_name, decision.value).inc()
-        reject = queue_refusal(
+        return queue_refusal(
             decision, reject, attempt.demand, answer, policy, ahead, ahead_tokens, self._rng
         )
-        self._count_reject(reject)
-        return reject
 
     async def _join_shared(
         self,

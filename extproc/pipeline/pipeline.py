@@ -21,16 +21,16 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from random import Random
+from typing import Any
 from urllib.parse import unquote
 
 import orjson
 from prometheus_client import Counter
 
 from extproc.config.runtime import Runtime
-from extproc.core.admission import Admitted, Demand, Reject, plan, request_tokens
+from extproc.core.admission import Admitted, Reject, plan, request_tokens
 from extproc.core.affinity import (
     Decision,
     Kind,
@@ -80,6 +80,16 @@ from extproc.pipeline.outcomes import (
     Routed,
     Unavailable,
     Waiting,
+)
+from extproc.pipeline.step import (
+    JoinQueue,
+    Placed,
+    QueueDepth,
+    RememberPlacement,
+    Reserve,
+    Step,
+    admission_step,
+    prefill_step,
 )
 from extproc.pipeline.tenant_metrics import TenantMetrics
 from extproc.tracing import annotate as trace_annotate
@@ -169,14 +179,6 @@ def _bound_tier(placer: object, within: int | None) -> Rendezvous | None:
         if placer.preferred is None:
             return placer.rest
     return None
-
-
-@dataclass(frozen=True, slots=True)
-class _Placed:
-    """Admitted on a later hash candidate (flow.place_new_sessions)."""
-
-    route: Route
-    admitted: Admitted
 
 
 class Pipeline:
@@ -457,7 +459,7 @@ class Pipeline:
                 self._give_tenant(hold)
                 self._count_reject(facts, admission, headers)
                 return Rejected(facts, route, kind, admission)
-            if isinstance(admission, _Placed):
+            if isinstance(admission, Placed):
                 route, kind = admission.route, "placed"
                 admission = admission.admitted
                 # The decode target moved: its prefiller is chosen for the new one.
@@ -509,13 +511,10 @@ class Pipeline:
         """The decode budget is held (or none is needed): the prefill pool's budget, then the
         bookkeeping of a routed request."""
         if self._gate is not None:
-            refused = await self._admit_prefill(runtime, facts, route, prefill, hold)
+            refused = await self._admit_prefill(runtime, facts, route, prefill, hold, headers)
             if refused is not None:
                 self._count_reject(facts, refused, headers)
                 self._give_tenant(hold)
-                if hold.ticket is not None:
-                    ticket, hold.ticket = hold.ticket, None
-                    await asyncio.shield(self._gate.release(ticket))
                 return Rejected(facts, route, kind, refused)
         if prefill is not None:
             self._metrics.prefill_choices.labels(prefill.relation, prefill.reason).inc()
@@ -653,18 +652,25 @@ class Pipeline:
         route: Route,
         prefill: PrefillChoice | None,
         hold: Hold,
+        headers: Mapping[str, str],
     ) -> Reject | None:
         """Reserve the prefill pool's budget (prefill tokens, per prefill cluster) apart from
-        the decode pool's: a prefill burst is refused there and leaves decode budgets alone."""
-        if prefill is None or prefill.endpoint is None or runtime.pd is None or not self._gate:
+        the decode pool's (extproc/pipeline/step.py, ``prefill_step``); a refusal gives the
+        decode reservation back."""
+        gate = self._gate
+        if prefill is None or prefill.endpoint is None or runtime.pd is None or not gate:
             return None
         cls = runtime.pd.prefill_classes[base_class_name(route.request_class)]
         prefill_route = Route(Placement(prefill.endpoint.cluster, None), cls)
-        admission = await self._gate.admit(facts, prefill_route)
-        if isinstance(admission, Reject):
-            return admission
-        if isinstance(admission, Admitted):
-            hold.prefill_ticket = admission.ticket
+        step = prefill_step(request_tokens(facts), prefill_route, hold.ticket)
+        outcome = await self._drive(step, gate, runtime, facts, 0.0, None, hold)
+        if isinstance(outcome, Reject):
+            gate.count_reject(outcome)
+            return outcome
+        if outcome is None:
+            gate.count_unbudgeted(cls.name)
+        else:
+            hold.prefill_ticket = outcome
         return None
 
     async def _follow(
@@ -799,27 +805,23 @@ class Pipeline:
         view: SessionView | None,
         now: float,
         tenant: Tenant,
-    ) -> Admitted | Reject | _Placed | Queued | None:
-        """Admission with flow control (extproc/core/flow.py): the chosen primary; else, for
-        a new session, its next hash candidate with room; else a bounded wait; else a 429."""
-        planned = plan(request_tokens(facts), route)
-        if planned is None or isinstance(planned, Reject):
-            return await gate.admit(facts, route)  # unbudgeted, or a 413: counted there
-        cls = route.request_class
-        if cls.wait.enabled and gate.waiters.depth(planned.cluster, cls.name):
-            # Others already wait here: join behind them rather than take the budget a
-            # release just handed to the queue's head.
-            attempt = await gate.attempt(planned, reserve=False)
-        else:
-            attempt = await gate.attempt(planned)
-        if isinstance(attempt.outcome, Admitted):
-            return attempt.outcome
-        if runtime.flow.place_new_sessions and view is not None and attempt.outcome.status == 429:
-            placed = await self._place_elsewhere(gate, runtime, facts, route, view, now)
-            if placed is not None:
-                return placed
-        claim = runtime.flow.claim(tenant.key, facts.tier, request_tokens(facts))
-        return await gate.queue(planned, attempt, cls.wait, claim, runtime.flow_redis_poll_s)
+    ) -> Admitted | Reject | Placed | Queued | None:
+        """Admission with flow control (extproc/pipeline/step.py): the chosen primary; else,
+        for a new session, its next hash candidate with room; else a bounded wait; else a
+        429. Every refusal it answers is counted once, here."""
+        elsewhere = None
+        if runtime.flow.place_new_sessions and view is not None:
+
+            def elsewhere() -> Iterator[Route]:
+                return self._elsewhere(runtime, facts, route, view, now)
+
+        step = admission_step(request_tokens(facts), route, elsewhere, route.request_class.wait)
+        outcome = await self._drive(step, gate, runtime, facts, now, tenant)
+        if outcome is None:
+            gate.count_unbudgeted(route.request_class.name)
+        elif isinstance(outcome, Reject):
+            gate.count_reject(outcome)
+        return outcome  # type: ignore[no-any-return]
 
     def tenant_view(
         self, headers: Mapping[str, str], facts: RequestFacts, cluster: str, class_name: str
@@ -888,18 +890,59 @@ class Pipeline:
         if slot is not None:
             self.tenant_limits.give(slot)
 
-    async def _place_elsewhere(
+    async def _drive(
         self,
+        step: Step,
         gate: AdmissionGate,
+        runtime: Runtime,
+        facts: RequestFacts,
+        now: float,
+        tenant: Tenant | None,
+        hold: Hold | None = None,
+    ) -> Any:
+        """The live driver of an admission step: its needs against the gate (Redis or
+        memory, with its timeouts and outage policy) and the session memory. A ticket given
+        back leaves ``hold`` first, so the exchange's release cannot give it twice."""
+        answer: Any = None
+        while True:
+            try:
+                need = step.send(answer)
+            except StopIteration as done:
+                return done.value
+            if isinstance(need, Reserve):
+                answer = await gate.attempt(need.demand, reserve=not need.look)
+            elif isinstance(need, QueueDepth):
+                answer = gate.waiters.depth(need.cluster, need.class_name)
+            elif isinstance(need, JoinQueue):
+                assert tenant is not None  # only an admission step queues
+                claim = runtime.flow.claim(tenant.key, facts.tier, request_tokens(facts))
+                answer = await gate.queue(
+                    need.demand, need.attempt, need.wait, claim, runtime.flow_redis_poll_s
+                )
+            elif isinstance(need, RememberPlacement):
+                placement = need.route.placement
+                override = Override(placement.primary, now + runtime.affinity.override_ttl_s)
+                await self.fleet.remember(
+                    facts, Decision(placement, "placed", override_to_write=override), now
+                )
+                gate.metrics.placements.labels(need.route.request_class.name).inc()
+                answer = None
+            else:
+                if hold is not None and hold.ticket is need.ticket:
+                    hold.ticket = None
+                await asyncio.shield(gate.release(need.ticket))
+                answer = None
+
+    def _elsewhere(
+        self,
         runtime: Runtime,
         facts: RequestFacts,
         route: Route,
         view: SessionView,
         now: float,
-    ) -> _Placed | None:
-        """A new session on the first later hash candidate whose budget has room, remembered
-        as an override so its later turns follow; None when it is not new or none has room."""
-        cls = route.request_class
+    ) -> Iterator[Route]:
+        """Where a new session may start when its primary's budget is full: its later hash
+        candidates (none for a session seen or placed before), skipping unhealthy ones."""
         ranked = runtime.policy.placer(route).ranked(facts.session.point)
         ready = self._ready_clusters(runtime)
         order = placement_candidates(
@@ -909,19 +952,7 @@ class Pipeline:
             if not self.fleet.load.cluster(cluster, now, ready).healthy:
                 continue
             placement = Placement(cluster, secondary_for(ranked, cluster))
-            candidate = Route(placement, cls, route.model)
-            planned = plan(request_tokens(facts), candidate)
-            if not isinstance(planned, Demand):
-                continue
-            attempt = await gate.attempt(planned)
-            if isinstance(attempt.outcome, Admitted):
-                override = Override(cluster, now + runtime.affinity.override_ttl_s)
-                await self.fleet.remember(
-                    facts, Decision(placement, "placed", override_to_write=override), now
-                )
-                gate.metrics.placements.labels(cls.name).inc()
-                return _Placed(candidate, attempt.outcome)
-        return None
+            yield Route(placement, route.request_class, route.model)
 
     async def _follow_override(
         self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool

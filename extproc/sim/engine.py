@@ -4,17 +4,18 @@ Every policy runs over the same prepared :class:`Scenario` (same requests, same 
 events), each with its own seeded RNG, so results do not depend on which policies ran or in
 which process.
 
-Admission is the gateway's own code path, not a copy: the pipeline's admission step
-(:func:`extproc.pipeline.admission.admit_first_fit`: ``plan`` → the in-memory ledger's atomic
-reserve on the simulated clock → ``verdict``) answers with a ticket, a 413, or a 429 whose
-``retry-after`` the simulated client honours (up to ``max_retries`` times). Tickets are
-released when the request finishes (its decode ends), as the ext_proc stream would end then.
+Admission is the gateway's own code path, not a copy: the simulator drives the processor's
+admission steps (extproc/pipeline/step.py, ``admission_step`` and ``prefill_step``) with a
+synchronous driver (``perform``) over the in-memory ledger on the simulated clock. A step
+answers with a ticket, a 413, or a 429 whose ``retry-after`` the simulated client honours (up
+to ``max_retries`` times). Tickets are released when the request finishes (its decode ends),
+as the ext_proc stream would end then.
 
-A policy that waits (``Policy.waits``, the gateway's flow control, extproc/core/flow.py) puts a
-request refused everywhere into its primary's (cluster, class) ``FairQueue`` when the estimated
-wait (``queued_wait``, counting the queue ahead) fits its class's ``SimConfig.waits``; a
-release lets the queue's heads in, in order, while the ledger admits them; a waiter still
-queued at its deadline gets the 429 with the hint for its position (and retries like any 429).
+A policy that waits (``Policy.waits``, the gateway's flow control) answers the step's
+JoinQueue with the processor's wait-or-refuse policy (extproc/core/queue_policy.py) over its
+own (cluster, class) ``FairQueue``s, with its class's ``SimConfig.waits``; a release lets the
+queue's heads in, in order, while the ledger admits them; a waiter still queued at its
+deadline gets the 429 with the hint for its position (and retries like any 429).
 
 Events are exact, not time-stepped: each request's whole timeline is fixed when it is admitted
 (``model.ClusterState.serve``), so there is nothing to advance between arrivals.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from random import Random
 from types import MappingProxyType
@@ -32,15 +33,15 @@ from types import MappingProxyType
 import numpy as np
 import numpy.typing as npt
 
-from extproc.core.admission import Demand, Reject, Ticket, plan, verdict
+from extproc.core.admission import Admitted, Demand, Reject, Ticket, plan, verdict
 from extproc.core.decide import Route
 from extproc.core.endpoints import DEFAULT_BALANCE, DEFAULT_MIN_INFLIGHT
 from extproc.core.fleet import RequestClass
-from extproc.core.flow import FairQueue, QueueVerdict, WaitPolicy
+from extproc.core.flow import WaitPolicy
 from extproc.core.placement import Placement
-from extproc.core.queue_policy import queue_refusal, queue_verdict
 from extproc.ledger.memory import MemoryLedger
-from extproc.pipeline.admission import admit_first_fit
+from extproc.pipeline.step import Placed, admission_step, prefill_step
+from extproc.sim.admission import QUEUED, SimAdmission
 from extproc.sim.engines import EngineCluster, EngineSpill, cluster_state
 from extproc.sim.events import Event, Kind, validate
 from extproc.sim.model import ClusterSpec
@@ -54,6 +55,7 @@ from extproc.sim.vector import EpochTables
 PROGRESS_EVERY = 1 << 16
 # Final outcomes of a request.
 SERVED, GAVE_UP_429, TOO_LARGE_413, NO_CLUSTER = 0, 429, 413, 503
+NO_WAIT = WaitPolicy()
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,7 +346,6 @@ def run_policy(
     # Flow control (policy.waits): per (cluster, class) queues of request indices, and each
     # waiter's deadline; queued[i] = (compartment, queue id, attempt).
     waits = policy.waits and bulkheads
-    queues: dict[tuple[str, str], FairQueue[int]] = {}
     deadlines: list[tuple[float, int, int]] = []
     queued: dict[int, tuple[tuple[str, str], int, int]] = {}
     seq = 0
@@ -369,33 +370,20 @@ def run_policy(
         klass = classes[t_class[templates[i]]]
         return plan(t_in[templates[i]], Route(Placement(cluster, None), klass))
 
-    def enqueue(i: int, cluster: str, refusal: Reject, attempt: int, now: float) -> None:
-        """After a 429 everywhere: wait on the primary's queue, or the 429 (hint counted
-        behind the queue) when the queue is full or the estimated wait too long."""
+    # The request being decided, for the needs its steps yield: (attempt, now).
+    current: list[float] = [0, 0.0]
+
+    def on_queued(i: int, key: tuple[str, str], qid: int, wait: WaitPolicy) -> None:
         nonlocal seq
-        klass = classes[t_class[templates[i]]]
-        policy_w = config.waits.get(klass.name, WaitPolicy())
-        demand = demand_of(i, cluster)
-        if not isinstance(demand, Demand):  # a 413 (or no budget): nothing to wait for
-            refuse(i, refusal, attempt, now)
-            return
-        key = (cluster, klass.name)
-        q = queues.get(key)
-        ahead, ahead_tokens = (len(q), q.tokens) if q is not None else (0, 0)
-        answer = ledger.usage_now(cluster, klass.name, demand.limits)
-        decision = queue_verdict(refusal, demand, answer, policy_w, ahead, ahead_tokens)
-        if decision is QueueVerdict.WAIT:
-            if q is None:
-                q = queues[key] = FairQueue()
-            qid = q.push(i, "", 1.0, t_in[templates[i]])
-            queued[i] = (key, qid, attempt)
-            seq += 1
-            heapq.heappush(deadlines, (now + policy_w.max_wait_s, seq, i))
-            return
-        hinted = queue_refusal(
-            decision, refusal, demand, answer, policy_w, ahead, ahead_tokens, retry_rng
-        )
-        refuse(i, hinted, attempt, now)
+        queued[i] = (key, qid, int(current[0]))
+        seq += 1
+        heapq.heappush(deadlines, (current[1] + wait.max_wait_s, seq, i))
+
+    def on_give_back(ticket: Ticket) -> None:
+        give_back(ticket, current[1])
+
+    driver = SimAdmission(ledger, retry_rng, on_queued, on_give_back)
+    queues = driver.queues
 
     def drain(key: tuple[str, str], now: float) -> None:
         """Budget freed on ``key``: queue heads take it, in order, while it admits them."""
@@ -465,16 +453,16 @@ def run_policy(
         pticket = None
         budget = pd.plan.prefill_classes[klass.name]
         if policy.bulkheads and budget.budget.enforced:
-            admission = admit_first_fit(ledger, t_in[tp], budget, [endpoint.cluster], retry_rng)
-            if admission.index < 0:
-                # As the pipeline: the decode reservation goes back and the 429 is the prefill
-                # pool's.
-                if ticket is not None:
-                    give_back(ticket, now)
-                assert admission.refusal is not None
-                refuse(i, admission.refusal, attempt, now)
+            prefill_route = Route(Placement(endpoint.cluster, None), budget)
+            held = ticket if isinstance(ticket, Ticket) else None
+            current[:] = (attempt, now)
+            outcome = driver.admit(prefill_step(t_in[tp], prefill_route, held), i)
+            if isinstance(outcome, Reject):
+                # As the processor: the decode reservation went back (the step's GiveBack)
+                # and the 429 is the prefill pool's.
+                refuse(i, outcome, attempt, now)
                 return True
-            pticket = admission.ticket
+            pticket = outcome
         pd_inflight[endpoint.address] = pd_inflight.get(endpoint.address, 0) + 1
         # The prefill leg: one token out, its KV ready when that token is.
         pcached, ready_at, _ = states[index[endpoint.cluster]].serve(keys, t_in[tp], 1, now, point)
@@ -577,17 +565,6 @@ def run_policy(
             last_on[s] = serve_c
             last_t[s] = now
 
-    def verdict_for_queue(i: int, cluster: str) -> Reject:
-        """The 429 of a request that found others waiting on ``cluster`` (or its 413)."""
-        demand = demand_of(i, cluster)
-        if isinstance(demand, Reject):
-            return demand
-        assert demand is not None
-        answer = ledger.usage_now(cluster, demand.class_name, demand.limits)
-        refused = verdict(demand, answer, retry_rng)
-        assert isinstance(refused, Reject)
-        return refused
-
     def expire_next() -> None:
         """The earliest waiter's deadline: past it, a 429 with the hint for its position."""
         now, _, i = heapq.heappop(deadlines)
@@ -621,27 +598,28 @@ def run_policy(
         if bulkheads:
             klass = classes[t_class[tp]]
             if klass.budget.enforced:
-                tried = cands if spill(new) else cands[:1]
-                charges = [names[charge] for _sc, charge in tried]
-                waiting_here = waits and queues.get((charges[0], klass.name))
-                if waiting_here:
-                    # Others wait on the primary: join behind them (placement still first).
-                    admission = admit_first_fit(ledger, t_in[tp], klass, charges[1:], retry_rng)
-                    chosen = tried[admission.index + 1][0] if admission.index >= 0 else -1
-                else:
-                    admission = admit_first_fit(ledger, t_in[tp], klass, charges, retry_rng)
-                    chosen = tried[admission.index][0] if admission.index >= 0 else -1
-                ticket = admission.ticket
-                if chosen < 0:
-                    refusal = admission.refusal
-                    if refusal is None:  # nothing tried: only the queue was in the way
-                        refusal = verdict_for_queue(i, charges[0])
-                    if waits:
-                        enqueue(i, charges[0], refusal, attempt, now)
-                    else:
-                        refuse(i, refusal, attempt, now)
+                primary = Route(Placement(names[cands[0][1]], None), klass)
+                later = cands[1:] if spill(new) else []
+                elsewhere = None
+                if later:
+
+                    def elsewhere() -> Iterator[Route]:
+                        return (Route(Placement(names[c], None), klass) for _s, c in later)
+
+                wait = config.waits.get(klass.name, NO_WAIT) if waits else NO_WAIT
+                current[:] = (attempt, now)
+                outcome = driver.admit(admission_step(t_in[tp], primary, elsewhere, wait), i)
+                if outcome is QUEUED:
                     return
-                serve_c = chosen
+                if isinstance(outcome, Reject):
+                    refuse(i, outcome, attempt, now)
+                    return
+                if isinstance(outcome, Placed):
+                    placed_on = outcome.route.placement.primary
+                    serve_c = next(sc for sc, c in later if names[c] == placed_on)
+                    ticket = outcome.admitted.ticket
+                elif isinstance(outcome, Admitted):
+                    ticket = outcome.ticket
         start(i, serve_c, ticket, now, attempt)
 
     inf = math.inf

@@ -1,0 +1,153 @@
+"""Admission as one sans-I/O step that the processor, ``explain`` and the simulator all drive.
+
+A step is a generator: it takes the request's facts that admission reads (its cost in tokens,
+its route, where else a new session may start, its class's wait policy), **yields what it needs
+from the outside** (a :class:`Reserve`, the depth of a queue, a placement to remember, a queue
+to join, a ticket to give back), receives each answer, and **returns the outcome**. It reads
+no clock, opens no socket, touches no Redis, counts no metric: the driver does all of that.
+
+    step = admission_step(tokens, route, elsewhere, wait)
+    outcome = drive(step, perform)   # perform(need) -> answer; see below
+
+Three drivers run the same steps:
+
+- the live driver (``Pipeline._drive``, extproc/pipeline/pipeline.py, async): a reservation
+  is the gate's atomic check-and-reserve on Redis or in memory, with its timeouts and outage
+  policy (extproc/ledger/gate.py), a queue is the gate's queue (extproc/ledger/waiters.py);
+- ``explain``'s preview, which decides on the live state without changing it (no reservation
+  is taken: admission is previewed as far as it is pure, :func:`plan`);
+- the simulator's synchronous driver (extproc/sim/engine.py, ``run_policy``) over the in-memory
+  ledger on the simulated clock and its own fair queues.
+
+So a change to the order of admission (what is tried, when a request waits) is made once,
+here, and all three follow; the policies themselves are pure functions of the core
+(extproc/core/admission.py, extproc/core/flow.py, extproc/core/queue_policy.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from extproc.core.admission import Admitted, Attempt, Demand, Reject, Ticket, plan
+from extproc.core.decide import Route
+from extproc.core.flow import WaitPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """Check-and-reserve ``demand`` atomically. Answer: an :class:`Attempt`. ``look``: only
+    look (others already wait on the compartment: the request joins behind them rather than
+    take the budget a release just handed to the queue's head)."""
+
+    demand: Demand
+    look: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class QueueDepth:
+    """How many requests wait on (cluster, class) here. Answer: an int."""
+
+    cluster: str
+    class_name: str
+
+
+@dataclass(frozen=True, slots=True)
+class RememberPlacement:
+    """A new session was admitted off its primary, on ``route``: its later turns follow it
+    (an override in the session memory). Answer: None."""
+
+    route: Route
+
+
+@dataclass(frozen=True, slots=True)
+class JoinQueue:
+    """Wait for budget behind the compartment's queue, or be refused now (the wait-or-refuse
+    policy of extproc/core/queue_policy.py). Answer: a driver's queued-request value, or the
+    :class:`Reject` to answer."""
+
+    demand: Demand
+    attempt: Attempt
+    wait: WaitPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class GiveBack:
+    """Release ``ticket`` (taken earlier by this request, no longer needed). Answer: None."""
+
+    ticket: Ticket
+
+
+Need = Reserve | QueueDepth | RememberPlacement | JoinQueue | GiveBack
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Admitted on a later candidate than the primary (flow control's placement)."""
+
+    route: Route
+    admitted: Admitted
+
+
+# The outcome of an admission step: None (the class has no budget: route, hold nothing),
+# Admitted, Placed, a Reject to answer, or the driver's value for a request that waits.
+Step = Generator[Need, Any, Any]
+
+
+def admission_step(
+    tokens: int,
+    route: Route,
+    elsewhere: Callable[[], Iterable[Route]] | None,
+    wait: WaitPolicy,
+) -> Step:
+    """Admit ``tokens`` on ``route``'s primary; else, when ``elsewhere`` is given (a new
+    session, flow control placing), on the first of its routes with room (remembered);
+    else wait or refuse (``wait``: the class's wait policy)."""
+    planned = plan(tokens, route)
+    if planned is None or isinstance(planned, Reject):
+        return planned  # unbudgeted, or a 413 no budget could ever admit
+    look = wait.enabled and (yield QueueDepth(planned.cluster, planned.class_name)) > 0
+    attempt: Attempt = yield Reserve(planned, look)
+    if isinstance(attempt.outcome, Admitted):
+        return attempt.outcome
+    if elsewhere is not None and attempt.outcome.status == 429:
+        for candidate in elsewhere():
+            demand = plan(tokens, candidate)
+            if not isinstance(demand, Demand):
+                continue
+            tried: Attempt = yield Reserve(demand)
+            if isinstance(tried.outcome, Admitted):
+                yield RememberPlacement(candidate)
+                return Placed(candidate, tried.outcome)
+    return (yield JoinQueue(planned, attempt, wait))
+
+
+def prefill_step(tokens: int, route: Route, held: Ticket | None) -> Step:
+    """Disaggregated requests: the prefill pool's budget (``route``: the prefill cluster and
+    its prefill class), reserved apart from the decode pool's, after it. The prefill ticket,
+    None (no prefill budget), or the Reject to answer, the decode reservation ``held`` then
+    given back: a prefill burst is refused there and leaves decode budgets alone."""
+    planned = plan(tokens, route)
+    if planned is None:
+        return None
+    refused = planned
+    if isinstance(planned, Demand):
+        attempt: Attempt = yield Reserve(planned)
+        if isinstance(attempt.outcome, Admitted):
+            return attempt.outcome.ticket
+        refused = attempt.outcome
+    if held is not None:
+        yield GiveBack(held)
+    return refused
+
+
+def drive(step: Step, perform: Callable[[Need], Any]) -> Any:
+    """Run ``step`` to its outcome, answering each need with ``perform`` (synchronous)."""
+    answer = None
+    while True:
+        try:
+            need = step.send(answer)
+        except StopIteration as done:
+            return done.value
+        answer = perform(need)
