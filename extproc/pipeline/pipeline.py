@@ -30,7 +30,7 @@ import orjson
 from prometheus_client import Counter
 
 from extproc.config.runtime import Runtime
-from extproc.core.admission import Admitted, Reject, plan, request_tokens
+from extproc.core.admission import Admitted, Reject, request_tokens
 from extproc.core.affinity import (
     Decision,
     Kind,
@@ -46,7 +46,7 @@ from extproc.core.decide import Placer, Route, base_class_name
 from extproc.core.endpoints import adapter_engines, engine_key, pick_endpoints
 from extproc.core.facts import RequestFacts, header_facts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
-from extproc.core.flow import placement_candidates, secondary_for
+from extproc.core.flow import WaitPolicy, placement_candidates, secondary_for
 from extproc.core.keys import KeySource
 from extproc.core.load import ORCA_HEADER, ClusterLoad, FleetSnapshot, parse_load_headers
 from extproc.core.models import (
@@ -68,6 +68,7 @@ from extproc.ledger.gate import AdmissionGate
 from extproc.ledger.tenant_limits import TenantLimits, TenantSlot
 from extproc.ledger.waiters import Queued
 from extproc.names import prefill_mirror_cluster
+from extproc.pipeline import step as steps
 from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.fleet_state import FleetState
 from extproc.pipeline.metrics import Metrics
@@ -88,14 +89,15 @@ from extproc.pipeline.step import (
     RememberPlacement,
     Reserve,
     Step,
-    admission_step,
-    prefill_step,
 )
 from extproc.pipeline.tenant_metrics import TenantMetrics
 from extproc.tracing import annotate as trace_annotate
 from extproc.tracing import phase as trace_phase
 
 log = logging.getLogger("extproc.server")
+
+# explain's preview admits as far as admission is pure: it never waits.
+NO_WAIT = WaitPolicy()
 
 STATUS = ":status"
 # The status llm-d's routing sidecar answered when the prefiller could not be reached (Go's
@@ -430,9 +432,11 @@ class Pipeline:
                 route, kind, view = await self._follow_override(runtime, facts, route, now, record)
         prefill = self._choose_prefill(runtime, facts, route, now)
         if not record:
-            planned = plan(request_tokens(facts), route)
-            if isinstance(planned, Reject):
-                return Rejected(facts, route, kind, planned)
+            previewed = steps.preview(
+                steps.admission_step(request_tokens(facts), route, None, NO_WAIT)
+            )
+            if isinstance(previewed, Reject):
+                return Rejected(facts, route, kind, previewed)
             return Routed(
                 facts,
                 route,
@@ -662,7 +666,7 @@ class Pipeline:
             return None
         cls = runtime.pd.prefill_classes[base_class_name(route.request_class)]
         prefill_route = Route(Placement(prefill.endpoint.cluster, None), cls)
-        step = prefill_step(request_tokens(facts), prefill_route, hold.ticket)
+        step = steps.prefill_step(request_tokens(facts), prefill_route, hold.ticket)
         outcome = await self._drive(step, gate, runtime, facts, 0.0, None, hold)
         if isinstance(outcome, Reject):
             gate.count_reject(outcome)
@@ -815,7 +819,8 @@ class Pipeline:
             def elsewhere() -> Iterator[Route]:
                 return self._elsewhere(runtime, facts, route, view, now)
 
-        step = admission_step(request_tokens(facts), route, elsewhere, route.request_class.wait)
+        wait = route.request_class.wait
+        step = steps.admission_step(request_tokens(facts), route, elsewhere, wait)
         outcome = await self._drive(step, gate, runtime, facts, now, tenant)
         if outcome is None:
             gate.count_unbudgeted(route.request_class.name)

@@ -14,8 +14,10 @@ Three drivers run the same steps:
 - the live driver (``Pipeline._drive``, extproc/pipeline/pipeline.py, async): a reservation
   is the gate's atomic check-and-reserve on Redis or in memory, with its timeouts and outage
   policy (extproc/ledger/gate.py), a queue is the gate's queue (extproc/ledger/waiters.py);
-- ``explain``'s preview, which decides on the live state without changing it (no reservation
-  is taken: admission is previewed as far as it is pure, :func:`plan`);
+- ``explain``'s preview (:func:`preview`), which decides on the live state without changing
+  it: every reservation is assumed to have room, nothing is written, nobody waits, so
+  admission is previewed as far as it is pure (a 413 no budget could admit, a policy's own
+  refusal);
 - the simulator's synchronous driver (extproc/sim/engine.py, ``run_policy``) over the in-memory
   ledger on the simulated clock and its own fair queues.
 
@@ -30,7 +32,15 @@ from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from extproc.core.admission import Admitted, Attempt, Demand, Reject, Ticket, plan
+from extproc.core.admission import (
+    Admitted,
+    Attempt,
+    CompartmentUsage,
+    Demand,
+    Reject,
+    Ticket,
+    plan,
+)
 from extproc.core.decide import Route
 from extproc.core.flow import WaitPolicy
 
@@ -80,6 +90,9 @@ class GiveBack:
 
 
 Need = Reserve | QueueDepth | RememberPlacement | JoinQueue | GiveBack
+
+# The ledger named by the preview's tickets: none was asked.
+PREVIEW_STORE = "preview"
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +153,24 @@ def prefill_step(tokens: int, route: Route, held: Ticket | None) -> Step:
     if held is not None:
         yield GiveBack(held)
     return refused
+
+
+def _assume_room(need: Need) -> Any:
+    """The preview's answers: every reservation has room (whether the ledger has room right
+    now is the next instant's question, which ``explain`` answers with the compartment's
+    usage), nobody waits, and nothing is written or given back."""
+    if isinstance(need, Reserve):
+        demand = need.demand
+        ticket = Ticket(demand.cluster, demand.class_name, demand.tokens, "", PREVIEW_STORE)
+        return Attempt(Admitted(demand, ticket, CompartmentUsage()), demand, None)
+    if isinstance(need, QueueDepth):
+        return 0
+    return None
+
+
+def preview(step: Step) -> Any:
+    """``explain``'s driver: the step's outcome on the live state, changing nothing."""
+    return drive(step, _assume_room)
 
 
 def drive(step: Step, perform: Callable[[Need], Any]) -> Any:

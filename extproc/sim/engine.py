@@ -40,7 +40,8 @@ from extproc.core.fleet import RequestClass
 from extproc.core.flow import WaitPolicy
 from extproc.core.placement import Placement
 from extproc.ledger.memory import MemoryLedger
-from extproc.pipeline.step import Placed, admission_step, prefill_step
+from extproc.pipeline import step as steps
+from extproc.pipeline.step import Placed
 from extproc.sim.admission import QUEUED, SimAdmission
 from extproc.sim.engines import EngineCluster, EngineSpill, cluster_state
 from extproc.sim.events import Event, Kind, validate
@@ -456,7 +457,7 @@ def run_policy(
             prefill_route = Route(Placement(endpoint.cluster, None), budget)
             held = ticket if isinstance(ticket, Ticket) else None
             current[:] = (attempt, now)
-            outcome = driver.admit(prefill_step(t_in[tp], prefill_route, held), i)
+            outcome = driver.admit(steps.prefill_step(t_in[tp], prefill_route, held), i)
             if isinstance(outcome, Reject):
                 # As the processor: the decode reservation went back (the step's GiveBack)
                 # and the 429 is the prefill pool's.
@@ -608,7 +609,7 @@ def run_policy(
 
                 wait = config.waits.get(klass.name, NO_WAIT) if waits else NO_WAIT
                 current[:] = (attempt, now)
-                outcome = driver.admit(admission_step(t_in[tp], primary, elsewhere, wait), i)
+                outcome = driver.admit(steps.admission_step(t_in[tp], primary, elsewhere, wait), i)
                 if outcome is QUEUED:
                     return
                 if isinstance(outcome, Reject):
