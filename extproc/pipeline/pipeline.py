@@ -1,7 +1,8 @@
 """The decision pipeline: one request's path from headers and body to an outcome.
 
-The ext_proc servicer, ``extproc explain``, the fleet simulator and the benchmarks all call
-this, so what each of them shows is what the processor does. It sits between the protocol shell
+The ext_proc servicer, ``extproc explain`` and the benchmarks call this, and the fleet simulator
+drives its admission step (extproc/pipeline/step.py) with a driver of its own, so what each of
+them shows is what the processor does. It sits between the protocol shell
 (which knows Envoy) and the pure core (which knows no I/O and no clock): it owns the state the
 core is fed — the fleet's load and session memory, the admission gate, endpoint health — and
 takes time as an argument. See ARCHITECTURE.md, "The path of one request".
