@@ -161,6 +161,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=4, help="each engine's")
     parser.add_argument("--workdir", type=Path, default=Path("out/bench-real-affinity"))
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--arms",
+        default=",".join(ARMS),
+        help="the arms in the order they run (comma-separated; rerun reversed to see order)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,6 +173,10 @@ def run(args: argparse.Namespace) -> int:
     from extproc.harness.real_engines import vllm
     from extproc.harness.real_engines.base import ENGINES_DIR, running
 
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {unknown}: choose from {list(ARMS)}")
     model = vllm.tiny_model(ENGINES_DIR / "cache")
     workdir: Path = args.workdir
     engines = [
@@ -180,7 +189,9 @@ def run(args: argparse.Namespace) -> int:
     with running(engines, vllm.START_TIMEOUT_S):
         ready_s = time.perf_counter() - started
         ports = {f"c{i}": [e.port] for i, e in enumerate(engines, 1)}
-        results = compare(ports, workdir, "tiny", args.conversations, args.turns, args.max_tokens)
+        results = compare(
+            ports, workdir, "tiny", args.conversations, args.turns, args.max_tokens, arms
+        )
     print(f"2 vLLM engines ready in {ready_s:.0f} s")
     print(f"{'arm':<12} {'requests':>8} {'cached':>7} {'evaluated':>10} {'ttft p50':>9} {'p99':>7}")
     for r in results:
