@@ -155,7 +155,12 @@ def compare(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--conversations", type=int, default=7, help="odd: see above")
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=7,
+        help="keep it odd: with an even number, round robin over two engines is sticky by accident",
+    )
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=4, help="each engine's")
