@@ -38,7 +38,13 @@ from typing import Any
 import orjson
 import yaml
 
-from extproc.harness.launch import LOOPBACK, FleetStack, http_get, wait_until
+from extproc.harness.launch import (
+    LOOPBACK,
+    START_TIMEOUT_S,
+    FleetStack,
+    http_get,
+    wait_until,
+)
 from extproc.reliability import probes
 from extproc.reliability.chaos_bounds import (
     Interval,
@@ -70,6 +76,8 @@ CLASSES: list[dict[str, Any]] = [
     },
     {"name": "long", "budget": {"max_concurrent": 1}, "wait": NO_WAIT},
 ]
+# The drain delay the harness gives each of several replicas (FleetStack.start_processor).
+REPLICA_DRAIN_DELAY_S = 3.5
 ERRORS = "fleet_ledger_redis_errors_total"
 RESTART_HITS_FAULT = "processor restart: prefix-cache hit ratio"
 # The restart row passes when the hit ratio in the first window after the restart is at least
@@ -185,7 +193,10 @@ class Chaos:
     async def _sigterm_and_restart(self, index: int) -> None:
         proc = self.fleet().procs[index]
         proc.signal(signal.SIGTERM)
-        await asyncio.to_thread(lambda: proc.popen.wait(60) if proc.popen else None)
+        # The drain takes up to its delay plus --grace for open streams; a starved machine adds
+        # its own slowness on top (a hang guard, not a bound of the drain).
+        limit = REPLICA_DRAIN_DELAY_S + self.args.grace_s + START_TIMEOUT_S
+        await asyncio.to_thread(lambda: proc.popen.wait(limit) if proc.popen else None)
         await self._restart_processor(index)
 
     async def _sim_fault(self, name: str, payload: dict[str, Any]) -> None:
