@@ -55,7 +55,6 @@ PEER_ARGS: Mapping[str, tuple[str, ...]] = {
 # What we recommend beyond the defaults for a fleet of single-engine vLLM clusters fed by
 # clients without session ids (docs/peers.md says why each is there).
 TUNED: Mapping[str, Any] = {
-    "prefix": {"common_after": 2},
     "affinity": {"balance_factor": 1.05},
 }
 

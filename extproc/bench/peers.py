@@ -43,7 +43,7 @@ from extproc.bench.peer_routers import PEER_ARGS, PEER_VERSIONS, SETUPS, TUNED
 from extproc.bench.peer_runs import Context, Engines, RunSpec, execute, log, start_fleet
 from extproc.harness.prompts import BLOCK_TOKENS
 
-PARTS: tuple[str, ...] = ("main", "shared", "replicas", "faults", "ramp", "llamacpp")
+PARTS: tuple[str, ...] = ("main", "faults", "replicas", "shared", "ramp", "llamacpp")
 # The parts after main run these set-ups only (each peer's cache-aware policy, both of ours, and
 # the direct floor where it means something), to keep the whole run under ~25 minutes.
 FOCUS = "extproc,extproc-tuned,vllm-router:cache_aware,smg:cache_aware,direct"
@@ -218,15 +218,15 @@ class Matrix:
         if "main" in parts:
             for i, name in enumerate(workloads):
                 self.run_all(_workload(name, args), name, self.setups, probe=i == 0)
-        if "shared" in parts:
-            chat = _workload("chat", args)
-            self.run_all(chat, "chat, all sharing", focus, placement="shared")
-        if "replicas" in parts:
-            first = _workload("first-user", args)
-            self.run_all(first, "first-user, 2 replicas", focus, replicas=2)
         if "faults" in parts:
             faults = wl.chat(args.seed + 1, 40.0, args.chat_rate / 2)
             self.run_all(faults, "faults", focus, faults=True)
+        if "replicas" in parts:
+            first = _workload("first-user", args)
+            self.run_all(first, "first-user, 2 replicas", focus, replicas=2)
+        if "shared" in parts:
+            chat = _workload("chat", args)
+            self.run_all(chat, "chat, all sharing", focus, placement="shared")
         if "ramp" in parts:
             rates = [float(r) for r in _split(args.ramp_rates)]
             self.run_all(wl.ramp(args.seed, rates, args.ramp_step), "ramp", focus)
