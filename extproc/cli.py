@@ -24,6 +24,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "demo": ("extproc.harness.demo", "run Envoy + processor + simulated clusters and report"),
     "sim-cluster": ("extproc.harness.sim_cluster_cmd", "run a simulated inference cluster"),
     "replay": ("extproc.harness.replay_cmd", "replay a trace or synthetic workload"),
+    "otlp-collector": (
+        "extproc.harness.otlp_collector_cmd",
+        "receive OTLP/gRPC spans and serve them as JSON over HTTP (compose's trace viewer)",
+    ),
     "bench": ("extproc.bench.cmd", "benchmarks: overhead, routing, admission"),
     "engine-fixtures": (
         "extproc.harness.real_engines.record",

@@ -1,9 +1,11 @@
-"""An OTLP trace receiver (the OpenTelemetry protocol's gRPC TraceService) for tests and
-benchmarks: keeps every span it is sent, with its resource's service.name."""
+"""An OTLP trace receiver (the OpenTelemetry protocol's gRPC TraceService) for tests, benchmarks
+and the compose harness (``extproc otlp-collector``): keeps the spans it is sent, with their
+resource's service.name."""
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent import futures
 from typing import Any
 
@@ -15,13 +17,14 @@ from extproc.harness.launch import LOOPBACK
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """Spans as (service.name, span); ``keep=False`` only counts them (a benchmark's sink)."""
+    """Spans as (service.name, span); ``keep=False`` only counts them (a benchmark's sink);
+    ``limit`` keeps only the newest spans (a long-running collector)."""
 
-    def __init__(self, keep: bool = True) -> None:
+    def __init__(self, keep: bool = True, limit: int | None = None) -> None:
         self.lock = threading.Lock()
         self.keep = keep
         self.count = 0
-        self.spans: list[tuple[str, trace_pb2.Span]] = []
+        self.spans: deque[tuple[str, trace_pb2.Span]] = deque(maxlen=limit)
         self._server: grpc.Server | None = None
         self.port = 0
 
@@ -48,10 +51,14 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
         with self.lock:
             return [(s, span) for s, span in self.spans if span.trace_id == trace_id]
 
-    def start(self) -> Collector:
+    def snapshot(self) -> list[tuple[str, trace_pb2.Span]]:
+        with self.lock:
+            return list(self.spans)
+
+    def start(self, host: str = LOOPBACK, port: int = 0) -> Collector:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, server)  # type: ignore[no-untyped-call]
-        self.port = server.add_insecure_port(f"{LOOPBACK}:0")
+        self.port = server.add_insecure_port(f"{host}:{port}")
         server.start()
         self._server = server
         return self

@@ -2,19 +2,23 @@
 
 compose/stack-test.sh (`make compose-test`) provides the Docker daemon, builds the stand-ins and
 the project image, and sets COMPOSE_TEST_PROJECT (the compose project name), FLEET_HTTP_PORT (the
-loopback port Envoy's listener is published on) and COMPOSE_TEST_OUT (where the report goes).
-Without them there is no stack to test and the module is skipped.
+loopback port Envoy's listener is published on), FLEET_TRACES_PORT (the OTLP collector's JSON
+view, published the same way) and COMPOSE_TEST_OUT (where the report goes). Without them there is
+no stack to test and the module is skipped. The stack runs with the tracing override: every
+request is traced, to the stack's own collector.
 
-All traffic goes to 127.0.0.1:FLEET_HTTP_PORT or stays between the project's containers, and every
-wait is bounded.
+All traffic goes to 127.0.0.1:FLEET_HTTP_PORT / FLEET_TRACES_PORT or stays between the project's
+containers, and every wait is bounded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -27,22 +31,27 @@ import pytest
 import yaml
 
 from extproc.config import load_runtime
+from extproc.harness.sim_cluster import SIM_TRACEPARENT_HEADER
 from tests.e2e.predict import ranked_for
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPO / "compose"
-COMPOSE_FILES = ("docker-compose.yml", "docker-compose.standins.yml")
+COMPOSE_FILES = ("docker-compose.yml", "docker-compose.standins.yml", "docker-compose.tracing.yml")
 OFFICIAL = json.loads((COMPOSE_DIR / "standins" / "official.json").read_text())["images"]
 PROJECT_IMAGE = "fleet-extproc:dev"
 CHAT = "/v1/chat/completions"
 
 PROJECT = os.environ.get("COMPOSE_TEST_PROJECT", "")
 PORT = os.environ.get("FLEET_HTTP_PORT", "")
+TRACES_PORT = os.environ.get("FLEET_TRACES_PORT", "")
+# Envoy and the processors' batch exporters flush every 5 s; a loaded machine is slower.
+SPAN_WAIT_S = 90.0
 OUT = Path(os.environ.get("COMPOSE_TEST_OUT", REPO / "out" / "compose-test"))
 
 pytestmark = [
     pytest.mark.skipif(
-        not (PROJECT and PORT), reason="run by compose/stack-test.sh (make compose-test)"
+        not (PROJECT and PORT and TRACES_PORT),
+        reason="run by compose/stack-test.sh (make compose-test)",
     ),
     # Bringing the stack up waits for every health check; each step below is bounded on its own.
     pytest.mark.timeout(900),
@@ -294,6 +303,66 @@ def test_standins_run_what_the_official_images_run(stack: Stack) -> None:
     # Redis: started as root by the entrypoint, serving as the image's redis user (uid 999).
     uids = docker("top", container("redis"), "-o", "pid,uid,comm").split()
     assert "999" in uids and "redis-server" in uids, uids
+
+
+def trace_spans(trace_id: str) -> list[Json]:
+    """One trace's spans, parents first, from the collector's JSON view on the host."""
+    url = f"http://127.0.0.1:{TRACES_PORT}/traces/{trace_id}"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        spans: list[Json] = json.loads(response.read())["spans"]
+    return spans
+
+
+def test_one_request_is_one_trace_through_envoy_the_processor_and_the_engine(
+    stack: Stack,
+) -> None:
+    trace_id = secrets.token_hex(16)
+    raw = stack.client.chat.completions.with_raw_response.create(
+        model="sim",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=2,
+        extra_headers={
+            "x-session-id": "compose-trace",
+            "traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01",
+        },
+    )
+    raw.parse()
+    assert raw.status_code == 200
+    engine_parent = raw.headers[SIM_TRACEPARENT_HEADER]
+
+    def complete() -> bool:
+        spans = trace_spans(trace_id)
+        names = {(s["service"], s["name"]) for s in spans}
+        # Envoy's spans come with its 5 s flush, the processor's with its exporter's.
+        return ("fleet-extproc", "fleet.decision") in names and any(
+            s["service"] == "envoy" for s in spans
+        )
+
+    wait_until(complete, SPAN_WAIT_S, "Envoy's and the processor's spans at the collector")
+    spans = trace_spans(trace_id)
+    by_id = {s["span_id"]: s for s in spans}
+    (decision,) = [s for s in spans if s["name"] == "fleet.decision"]
+    # The decision's parent is Envoy's ext_proc call, in the client's trace.
+    assert by_id[decision["parent_span_id"]]["service"] == "envoy", spans
+    steps = {s["name"] for s in spans if s["parent_span_id"] == decision["span_id"]}
+    assert {"fleet.session_lookup", "fleet.budget_reservation", "fleet.engine_pick"} <= steps
+    assert decision["attributes"]["fleet.decision"] == "kept"
+    assert decision["attributes"]["fleet.served_by"] == raw.headers["x-served-by"]
+    # The engine's parent is the processor's decision span.
+    _version, engine_trace, parent_id, _flags = engine_parent.split("-")
+    assert (engine_trace, parent_id) == (trace_id, decision["span_id"])
+
+    url = f"http://127.0.0.1:{TRACES_PORT}/traces/{trace_id}?view=tree"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        tree = response.read().decode()
+    tree += f"sim engine {raw.headers['x-served-by']}: received traceparent {engine_parent}\n"
+    (OUT / "trace.txt").write_text(tree)
+    (OUT / "trace.json").write_text(json.dumps(spans, indent=1) + "\n")
+    stack.report["trace"] = {
+        "trace_id": trace_id,
+        "spans": len(spans),
+        "services": sorted({s["service"] for s in spans}),
+    }
 
 
 def test_replay_is_answered_by_every_cluster_and_both_replicas_share_redis(stack: Stack) -> None:

@@ -1,7 +1,10 @@
 """The compose harness, its Envoy config and the image, checked offline against compose/fleet.yaml.
 
 - compose/envoy.yaml is exactly what `extproc envoy --config compose/fleet.yaml` renders, and the
-  real Envoy binary accepts it (`--mode validate`);
+  real Envoy binary accepts it (`--mode validate`); the same for compose/envoy.tracing.yaml and
+  compose/fleet.tracing.yaml, which is fleet.yaml with `tracing` on;
+- the tracing override runs the collector on the port fleet.tracing.yaml exports to, and mounts
+  the tracing configs where the processors and Envoy read theirs;
 - `docker-compose config` accepts compose/docker-compose.yml, and its services use the hostnames
   and ports that fleet.yaml names;
 - the Dockerfile keeps its promises (multi-stage, pinned, non-root, gRPC health check), and the
@@ -32,6 +35,9 @@ COMPOSE_DIR = REPO / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 FLEET = COMPOSE_DIR / "fleet.yaml"
 ENVOY_YAML = COMPOSE_DIR / "envoy.yaml"
+FLEET_TRACING = COMPOSE_DIR / "fleet.tracing.yaml"
+ENVOY_TRACING_YAML = COMPOSE_DIR / "envoy.tracing.yaml"
+TRACING_OVERRIDE = COMPOSE_DIR / "docker-compose.tracing.yml"
 DOCKERFILE = REPO / "Dockerfile"
 REGENERATE = "make envoy-configs"  # compose/envoy.yaml and envoy/parts/ together
 
@@ -53,10 +59,10 @@ def find_tool(name: str) -> str:
 # --- compose/envoy.yaml --------------------------------------------------------------------
 
 
-def extproc_envoy(*args: str) -> str:
-    """What `extproc envoy --config compose/fleet.yaml ARGS` prints (run from the repo root)."""
+def extproc_envoy(*args: str, config: str = "compose/fleet.yaml") -> str:
+    """What `extproc envoy --config CONFIG ARGS` prints (run from the repo root)."""
     return subprocess.run(
-        [sys.executable, "-m", "extproc", "envoy", "--config", "compose/fleet.yaml", *args],
+        [sys.executable, "-m", "extproc", "envoy", "--config", config, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -73,9 +79,28 @@ def test_envoy_yaml_is_exactly_the_rendered_bootstrap() -> None:
     )
 
 
-def test_envoy_accepts_the_compose_bootstrap() -> None:
+def test_tracing_envoy_yaml_is_exactly_the_rendered_bootstrap() -> None:
+    rendered = extproc_envoy(config="compose/fleet.tracing.yaml")
+    committed = ENVOY_TRACING_YAML.read_text(encoding="utf-8")
+    assert committed == rendered, (
+        f"compose/envoy.tracing.yaml drifted from the renderer: run `{REGENERATE}`"
+    )
+    assert "fleet_otel_collector" in committed
+
+
+def test_tracing_fleet_yaml_is_fleet_yaml_with_tracing_on() -> None:
+    plain = yaml.safe_load(FLEET.read_text(encoding="utf-8"))
+    traced = yaml.safe_load(FLEET_TRACING.read_text(encoding="utf-8"))
+    tracing = traced.pop("tracing")
+    assert traced == plain, "compose/fleet.tracing.yaml: everything but tracing is fleet.yaml's"
+    assert tracing["enabled"] is True
+    assert load_config(FLEET_TRACING)[0].tracing.enabled
+
+
+@pytest.mark.parametrize("bootstrap", [ENVOY_YAML, ENVOY_TRACING_YAML], ids=lambda p: p.name)
+def test_envoy_accepts_the_compose_bootstrap(bootstrap: Path) -> None:
     result = subprocess.run(
-        [find_tool("envoy"), "--mode", "validate", "-c", str(ENVOY_YAML)],
+        [find_tool("envoy"), "--mode", "validate", "-c", str(bootstrap)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -88,10 +113,11 @@ def test_envoy_accepts_the_compose_bootstrap() -> None:
 
 
 @cache
-def compose_config() -> Json:
-    """The file as docker-compose resolves it (anchors merged, paths absolute)."""
+def compose_config(*overrides: Path) -> Json:
+    """The file (and overrides) as docker-compose resolves it (anchors merged, paths absolute)."""
+    files = [a for f in (COMPOSE_FILE, *overrides) for a in ("-f", str(f))]
     result = subprocess.run(
-        [find_tool("docker-compose"), "-f", str(COMPOSE_FILE), "config"],
+        [find_tool("docker-compose"), *files, "config"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -193,6 +219,32 @@ def test_envoy_runs_the_rendered_bootstrap_on_the_listener_port() -> None:
     assert replay[0] == "replay"
     assert flag(replay, "--target") == f"http://envoy:{cfg.listener.port}"
     assert flag(replay, "--workload") == "synthetic"
+
+
+def test_tracing_override_runs_the_collector_the_configs_export_to() -> None:
+    merged: dict[str, Json] = compose_config(TRACING_OVERRIDE)["services"]
+    endpoint = urlsplit(load_config(FLEET_TRACING)[0].tracing.endpoint or "")
+    (collector,) = [n for n, svc in merged.items() if endpoint.hostname in hostnames(n, svc)]
+    svc = merged[collector]
+    assert svc["command"][0] == "otlp-collector"
+    assert flag(svc["command"], "--grpc-port") == str(endpoint.port)
+    assert flag(svc["command"], "--host") == "0.0.0.0"
+    view_port = flag(svc["command"], "--http-port")
+    assert f"127.0.0.1:{view_port}/health" in " ".join(svc["healthcheck"]["test"])
+    assert {int(p["target"]) for p in svc["ports"]} == {int(view_port or 0)}
+    # The project image, with the SDK (the collector serves the protocol's own proto types).
+    assert svc["image"] == services()["replay"]["image"]
+    assert svc["build"]["args"]["EXTRAS"] == "tracing"
+    for name in answering(load_config(FLEET)[0].processor.address):
+        config_path = flag(merged[name]["command"], "--config") or ""
+        assert mounts(merged[name])[config_path] == FLEET_TRACING
+        assert collector in merged[name]["depends_on"]
+    envoy_path = flag(merged["envoy"]["command"], "-c") or ""
+    assert mounts(merged["envoy"])[envoy_path] == ENVOY_TRACING_YAML
+    # Every built service builds the one image the same way: with the SDK.
+    for name, built in merged.items():
+        if "build" in built:
+            assert built["build"].get("args", {}).get("EXTRAS") == "tracing", name
 
 
 def test_services_built_from_the_repo_use_the_dockerfile() -> None:
