@@ -20,8 +20,14 @@ WORKDIR /src
 # OpenTelemetry traces, docs/tracing.md); none by default.
 ARG EXTRAS=""
 COPY pyproject.toml constraints.txt ./
+# xds-protos ships an old copy of opentelemetry-proto's modules (same paths): with the tracing
+# extra, opentelemetry-proto's own are put back, which its OTLP exporters need.
 RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; extras = [e for e in os.environ.get('EXTRAS', '').split(',') if e]; print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" > requirements.txt \
- && pip install -c constraints.txt -r requirements.txt
+ && pip install -c constraints.txt -r requirements.txt \
+ && if pip show -q opentelemetry-proto 2>/dev/null; then \
+      pip install -c constraints.txt --force-reinstall --no-deps opentelemetry-proto \
+      && python -c "import opentelemetry.exporter.otlp.proto.grpc.trace_exporter, opentelemetry.exporter.otlp.proto.http.trace_exporter"; \
+    fi
 
 COPY README.md ./
 COPY extproc ./extproc

@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	# xds-protos ships an old copy of opentelemetry-proto's modules (same paths); whichever pip
+	# installs last wins, and the OTLP exporters need opentelemetry-proto's own.
+	$(BIN)/pip install -q -c constraints.txt --force-reinstall --no-deps opentelemetry-proto
 	touch $(STAMP)
 
 venv: $(STAMP)
