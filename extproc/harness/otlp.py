@@ -18,13 +18,17 @@ from extproc.harness.launch import LOOPBACK
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
     """Spans as (service.name, span); ``keep=False`` only counts them (a benchmark's sink);
-    ``limit`` keeps only the newest spans (a long-running collector)."""
+    ``limit`` keeps only the newest spans (a long-running collector). A span sent again (an
+    exporter retries a batch whose answer it did not see in time) is kept once; ``count`` is
+    every span received."""
 
     def __init__(self, keep: bool = True, limit: int | None = None) -> None:
         self.lock = threading.Lock()
         self.keep = keep
+        self.limit = limit
         self.count = 0
-        self.spans: deque[tuple[str, trace_pb2.Span]] = deque(maxlen=limit)
+        self.spans: deque[tuple[str, trace_pb2.Span]] = deque()
+        self._kept: set[tuple[bytes, bytes]] = set()
         self._server: grpc.Server | None = None
         self.port = 0
 
@@ -44,8 +48,19 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
                 for scope in resource_spans.scope_spans:
                     self.count += len(scope.spans)
                     if self.keep:
-                        self.spans.extend((service, span) for span in scope.spans)
+                        for span in scope.spans:
+                            self._keep(service, span)
         return trace_service_pb2.ExportTraceServiceResponse()
+
+    def _keep(self, service: str, span: trace_pb2.Span) -> None:
+        key = (span.trace_id, span.span_id)
+        if key in self._kept:
+            return
+        self._kept.add(key)
+        self.spans.append((service, span))
+        if self.limit is not None and len(self.spans) > self.limit:
+            _, oldest = self.spans.popleft()
+            self._kept.discard((oldest.trace_id, oldest.span_id))
 
     def of_trace(self, trace_id: bytes) -> list[tuple[str, trace_pb2.Span]]:
         with self.lock:

@@ -126,11 +126,16 @@ def _handler(collector: Collector) -> type[BaseHTTPRequestHandler]:
             self._reply(status, "application/json", json.dumps(doc, indent=1).encode())
 
         def _reply(self, status: int, content_type: str, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("content-type", content_type)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(status)
+                self.send_header("content-type", content_type)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                # The client gave up waiting (a health probe's timeout on a loaded machine):
+                # nobody is left to answer.
+                self.close_connection = True
 
         def log_message(self, format: str, *args: Any) -> None:
             return  # one line per GET would drown the collector's own log

@@ -340,8 +340,11 @@ def test_one_request_is_one_trace_through_envoy_the_processor_and_the_engine(
 
     wait_until(complete, SPAN_WAIT_S, "Envoy's and the processor's spans at the collector")
     spans = trace_spans(trace_id)
+    (OUT / "trace.json").write_text(json.dumps(spans, indent=1) + "\n")
     by_id = {s["span_id"]: s for s in spans}
-    (decision,) = [s for s in spans if s["name"] == "fleet.decision"]
+    decisions = [s for s in spans if s["name"] == "fleet.decision"]
+    assert len(decisions) == 1, decisions
+    (decision,) = decisions
     # The decision's parent is Envoy's ext_proc call, in the client's trace.
     assert by_id[decision["parent_span_id"]]["service"] == "envoy", spans
     steps = {s["name"] for s in spans if s["parent_span_id"] == decision["span_id"]}
@@ -357,7 +360,6 @@ def test_one_request_is_one_trace_through_envoy_the_processor_and_the_engine(
         tree = response.read().decode()
     tree += f"sim engine {raw.headers['x-served-by']}: received traceparent {engine_parent}\n"
     (OUT / "trace.txt").write_text(tree)
-    (OUT / "trace.json").write_text(json.dumps(spans, indent=1) + "\n")
     stack.report["trace"] = {
         "trace_id": trace_id,
         "spans": len(spans),

@@ -9,6 +9,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -89,6 +90,18 @@ def test_bad_paths_and_ids_are_json_errors(served: tuple[Collector, TraceView]) 
     assert status == 404 and "error" in json.loads(body)
     status, body = get(view, "/health")
     assert status == 200 and json.loads(body) == {"status": "ok", "spans": 0}
+
+
+def test_a_span_sent_twice_is_kept_once(served: tuple[Collector, TraceView]) -> None:
+    collector, _view = served
+    provider = TracerProvider()
+    span = provider.get_tracer("test").start_span("retried")
+    span.end()
+    request = encode_spans([span])  # type: ignore[list-item]
+    collector.Export(request, None)
+    collector.Export(request, None)
+    assert collector.count == 2
+    assert [s.name for _, s in collector.snapshot()] == ["retried"]
 
 
 def test_a_limited_collector_keeps_the_newest_spans() -> None:
