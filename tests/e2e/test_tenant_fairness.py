@@ -20,6 +20,7 @@ import pytest
 from extproc.explain import explain_remote
 from extproc.harness.launch import FleetStack, wait_until
 from tests.e2e.conftest import dump_logs
+from tests.e2e.test_flow import metric, polled
 from tests.support.redis_server import RedisServer
 
 # 20 decode tokens/s: a request of 10 output tokens holds the class ~0.5 s.
@@ -64,26 +65,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
         )
         with running:
             yield running
-
-
-def metric(stack: FleetStack, name: str, **labels: str) -> float:
-    want = tuple(sorted(labels.items()))
-    total = 0.0
-    for i in range(len(stack.metrics_ports)):
-        for (n, lab), value in stack.processor_metrics(i).items():
-            if n == name and all(kv in lab for kv in want):
-                total += value
-    return total
-
-
-def polled(check: Callable[[], bool]) -> Callable[[], bool]:
-    def run() -> bool:
-        try:
-            return check()
-        except OSError:  # a busy replica's metrics endpoint did not answer in time
-            return False
-
-    return run
 
 
 def client_for(stack: FleetStack, api_key: str) -> openai.OpenAI:
