@@ -30,13 +30,14 @@ clock, so the refill math of many replicas never mixes skewed local clocks).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from random import Random
 
 from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
 from extproc.core.fleet import Budget
+from extproc.core.flow import TenantLimit
 
 # Time constant of the exponentially weighted release-rate estimate: long enough to smooth
 # bursts of completions, short enough to follow a class whose request lengths change.
@@ -110,6 +111,32 @@ class Reason(StrEnum):
     TENANT_TOKEN_RATE = "tenant_token_rate"
 
 
+# Refusals by the tenant's own limits: answered at once, never placed elsewhere or queued.
+TENANT_REASONS = frozenset({Reason.TENANT_CONCURRENCY, Reason.TENANT_TOKEN_RATE})
+
+
+@dataclass(frozen=True, slots=True)
+class TenantClaim:
+    """The tenant a demand is counted against in the shared ledger, with its limits as
+    enforced (an unset limit: counted, never refused)."""
+
+    key: str  # the tenant's identity in shared state (an unkeyed digest)
+    limit: TenantLimit = field(default_factory=TenantLimit)
+
+    def shared(self, replicas: int) -> TenantClaim:
+        """One replica's part of the limits when each replica counts alone (limit / replicas,
+        at least 1)."""
+        if replicas <= 1:
+            return self
+
+        def part(value: int | None) -> int | None:
+            return None if value is None else max(1, value // replicas)
+
+        own = self.limit
+        limit = TenantLimit(part(own.max_concurrent), part(own.tokens_per_minute))
+        return TenantClaim(self.key, limit)
+
+
 @dataclass(frozen=True, slots=True)
 class Demand:
     """One request's claim on its class's budget on its primary cluster."""
@@ -119,12 +146,21 @@ class Demand:
     tokens: int
     budget: Budget  # as configured
     limits: Budget  # as enforced: resolved (Budget.resolved), a replica's share when alone
+    # The tenant counted with it in the shared ledger (its own limits checked in the same
+    # atomic step); None: the tenant's limits are counted elsewhere, or there are none.
+    tenant: TenantClaim | None = None
 
     def shared(self, replicas: int) -> Demand:
         if replicas <= 1:
             return self
+        tenant = self.tenant.shared(replicas) if self.tenant is not None else None
         return Demand(
-            self.cluster, self.class_name, self.tokens, self.budget, self.limits.share(replicas)
+            self.cluster,
+            self.class_name,
+            self.tokens,
+            self.budget,
+            self.limits.share(replicas),
+            tenant,
         )
 
 
@@ -137,6 +173,8 @@ class Ticket:
     tokens: int
     lease: str
     store: str
+    # The tenant whose count it holds in the same ledger (given back with it), if any.
+    tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +233,11 @@ class LedgerAnswer:
     queued_tokens: int = 0
     # Refused because another request heads that queue (its budget may have had room).
     behind: bool = False
+    # The demand's tenant as the ledger counted it (Demand.tenant): refused by its own limits
+    # (then nothing was reserved), its requests in flight and the tokens in its bucket.
+    tenant_refused: bool = False
+    tenant_inflight: int = 0
+    tenant_bucket: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,17 +298,21 @@ def request_tokens(facts: RequestFacts) -> int:
     return facts.input_tokens
 
 
-def plan(tokens: int, route: Route) -> Demand | Reject | None:
+def plan(tokens: int, route: Route, tenant: TenantClaim | None = None) -> Demand | Reject | None:
     """The demand to reserve, a 413 when no budget state could admit it, or None (unbudgeted).
 
-    ``tokens``: the request's cost against its class budget (:func:`request_tokens`).
+    ``tokens``: the request's cost against its class budget (:func:`request_tokens`);
+    ``tenant``: the tenant counted with it in the same reservation. A class without a budget
+    still yields a demand (with no caps) when its tenant has limits to count there.
     """
     cls = route.request_class
     budget = cls.budget
     if not budget.enforced:
-        return None
+        if tenant is None or not tenant.limit.enabled:
+            return None
+        return Demand(route.placement.primary, cls.name, tokens, budget, Budget(), tenant)
     limits = budget.resolved()
-    demand = Demand(route.placement.primary, cls.name, tokens, budget, limits)
+    demand = Demand(route.placement.primary, cls.name, tokens, budget, limits, tenant)
     cap = limits.largest_admissible
     if cap is not None and demand.tokens > cap:
         what = (

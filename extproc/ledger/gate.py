@@ -48,6 +48,7 @@ from extproc.core.admission import (
     Demand,
     LedgerAnswer,
     Reject,
+    TenantClaim,
     Ticket,
     plan,
     request_tokens,
@@ -59,11 +60,14 @@ from extproc.core.facts import RequestFacts
 from extproc.core.fleet import Budget, RequestClass
 from extproc.core.flow import FairCharge, FairClaim, QueueVerdict, WaitPolicy
 from extproc.core.queue_policy import flow_outlook, queue_refusal, queue_verdict
+from extproc.core.tenant_limits import TenantUse
+from extproc.core.tenant_limits import refusal as tenant_refusal
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.metrics import LedgerMetrics
 from extproc.ledger.redis import TICKET_LEASE_S, Joined, RedisLedger, lease_ttl_tick
 from extproc.ledger.redis_health import RedisHealth
+from extproc.ledger.tenant_limits import TenantLimits, TenantSlot
 from extproc.ledger.waiters import Queued, Waiters, listen_for_releases
 
 log = logging.getLogger("extproc.ledger")
@@ -143,8 +147,13 @@ class AdmissionGate:
         self._unbudgeted: dict[str, Any] = {}
         # (cluster, class) -> [tokens, requests] this replica holds in Redis.
         self._redis_held: dict[tuple[str, str], list[int]] = {}
-        # lease -> (cluster, class): reserves to cancel, releases to deliver, once Redis answers.
-        self._unsettled: dict[str, tuple[str, str]] = {}
+        # lease -> (cluster, class, its tenant): reserves to cancel, releases to deliver, once
+        # Redis answers.
+        self._unsettled: dict[str, tuple[str, str, str | None]] = {}
+        # The tenants of demands that carry one (Demand.tenant), counted here while Redis is
+        # unreachable (each replica its share of the limits, as budgets); with Redis up they
+        # are counted in Redis by the reserve itself.
+        self._tenants = TenantLimits(clock)
         self._settling: set[str] = set()
         # Operator-facing problems found at start (shown in readiness), e.g. eviction policy.
         self.warnings: list[str] = []
@@ -169,6 +178,12 @@ class AdmissionGate:
     def mode(self) -> Literal["redis", "local"]:
         """Where new reservations go right now."""
         return "redis" if self._shared is not None and self._health.up else "local"
+
+    @property
+    def counts_tenants(self) -> bool:
+        """Whether demands should carry their tenant (Demand.tenant): with Redis its limits
+        are checked fleet-wide in the reserve itself; locally, while Redis is unreachable."""
+        return self._shared is not None
 
     @property
     def held(self) -> int:
@@ -258,14 +273,49 @@ class AdmissionGate:
                 reject = unavailable(demand, self._health.probe_interval_s, self._rng)
                 return Attempt(reject, demand, None)
             demand = demand.shared(self._replicas)
-            # This replica's own Redis leases of the compartment are requests still running:
-            # they count against its local share too, so an outage does not let it admit a
-            # whole share on top of what it already holds.
-            answer = self._local.reserve_now(demand, self._redis_usage(demand))
+            local = self._reserve_local(demand)
+            if isinstance(local, Reject):
+                return Attempt(local, demand, None)
+            answer = local
+        elif answer.tenant_refused and demand.tenant is not None:
+            use = TenantUse(answer.tenant_inflight, answer.tenant_bucket)
+            return Attempt(self._tenant_refusal(demand, demand.tenant, use), demand, None)
         outcome = verdict(demand, answer, self._rng)
         if isinstance(outcome, Admitted):
             self._track(outcome.ticket)
         return Attempt(outcome, demand, answer)
+
+    def _reserve_local(self, demand: Demand) -> LedgerAnswer | Reject:
+        """The in-memory reserve of ``demand`` (a replica's share already), its tenant counted
+        here: the ticket names the tenant, so its release gives the tenant's slot back."""
+        claim = demand.tenant
+        if claim is not None:
+            taken = self._tenants.take(claim.key, demand.tokens, claim.limit)
+            if isinstance(taken, TenantUse):
+                return self._tenant_refusal(demand, claim, taken)
+        # This replica's own Redis leases of the compartment are requests still running:
+        # they count against its local share too, so an outage does not let it admit a
+        # whole share on top of what it already holds.
+        answer = self._local.reserve_now(demand, self._redis_usage(demand))
+        if claim is None:
+            return answer
+        if answer.ticket is None:
+            self._tenants.give(TenantSlot(claim.key, demand.tokens))
+            return answer
+        return dataclasses.replace(
+            answer, ticket=dataclasses.replace(answer.ticket, tenant=claim.key)
+        )
+
+    def _tenant_refusal(self, demand: Demand, claim: TenantClaim, use: TenantUse) -> Reject:
+        """The 429 of a demand its tenant's own limits refused (they name the tenant's)."""
+        return tenant_refusal(
+            claim.limit, use, demand.tokens, demand.class_name, demand.cluster, self._rng
+        )
+
+    def _release_local(self, ticket: Ticket) -> None:
+        self._local.release_now(ticket)
+        if ticket.tenant is not None:
+            self._tenants.give(TenantSlot(ticket.tenant, ticket.tokens))
 
     async def peek(self, demand: Demand) -> LedgerAnswer:
         """The compartment of ``demand`` as the active ledger sees it; reserves nothing."""
@@ -481,14 +531,19 @@ class AdmissionGate:
         held = self._held.get(ticket.lease)
         if ticket.cluster == cluster or held is None:
             return ticket
-        # No caps: what is reserved is exactly this request's tokens and one request.
-        demand = Demand(cluster, ticket.class_name, ticket.tokens, budget, Budget())
+        # No caps: what is reserved is exactly this request's tokens and one request (and its
+        # tenant's count, which moves with it).
+        tenant = TenantClaim(held.tenant) if held.tenant is not None else None
+        demand = Demand(cluster, ticket.class_name, ticket.tokens, budget, Budget(), tenant)
         answer: LedgerAnswer | None = None
         # The held ticket's ledger (a local one may have been adopted into Redis since).
         if held.store != self._local.store and self._shared is not None and self._redis_due():
             answer = await self._reserve_shared(self._shared, demand)
         if answer is None:
-            answer = self._local.reserve_now(demand, self._redis_usage(demand))
+            local = self._reserve_local(demand)
+            if isinstance(local, Reject):
+                return ticket  # cannot happen without limits; keep the charge where it is
+            answer = local
         moved = answer.ticket
         if not answer.granted or moved is None:
             return ticket  # cannot happen without caps; keep the charge where it is
@@ -509,21 +564,22 @@ class AdmissionGate:
     ) -> LedgerAnswer | None:
         started = self._clock()
         lease = shared.new_lease()
+        tenant = demand.tenant.key if demand.tenant is not None else None
         try:
             answer = await shared.reserve(demand, lease, queue)
         except LedgerUnavailable as exc:
-            self._settle(shared, demand.cluster, demand.class_name, lease)
+            self._settle(shared, demand.cluster, demand.class_name, lease, tenant)
             self._redis_failed("reserve", exc)
             return None
         except asyncio.CancelledError:
             # The stream went away mid-call; Redis may still run (or have run) the reserve.
-            self._settle(shared, demand.cluster, demand.class_name, lease)
+            self._settle(shared, demand.cluster, demand.class_name, lease, tenant)
             raise
         except Exception as exc:
             # Not a connectivity problem (e.g. a reply this code cannot parse): still never
             # a crashed stream. Treated like an outage, with the traceback in the log.
             log.exception("redis ledger reserve failed unexpectedly")
-            self._settle(shared, demand.cluster, demand.class_name, lease)
+            self._settle(shared, demand.cluster, demand.class_name, lease, tenant)
             self._redis_failed("reserve", exc)
             return None
         finally:
@@ -538,17 +594,26 @@ class AdmissionGate:
         """Cancels and releases still waiting for Redis to acknowledge them."""
         return len(self._unsettled)
 
-    def _settle(self, shared: RedisLedger, cluster: str, class_name: str, lease: str) -> None:
+    def _settle(
+        self,
+        shared: RedisLedger,
+        cluster: str,
+        class_name: str,
+        lease: str,
+        tenant: str | None = None,
+    ) -> None:
         """Cancel ``lease`` in the background: now, and again every probe interval until Redis
         answers (shielded from the caller's cancellation, which may be what got us here)."""
-        self._keep_unsettled(lease, cluster, class_name)
+        self._keep_unsettled(lease, cluster, class_name, tenant)
         task = asyncio.ensure_future(self._flush_unsettled(shared, [lease]))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _keep_unsettled(self, lease: str, cluster: str, class_name: str) -> None:
+    def _keep_unsettled(
+        self, lease: str, cluster: str, class_name: str, tenant: str | None = None
+    ) -> None:
         if len(self._unsettled) < MAX_UNSETTLED:
-            self._unsettled[lease] = (cluster, class_name)
+            self._unsettled[lease] = (cluster, class_name, tenant)
             self._m.unsettled.set(len(self._unsettled))
 
     async def _flush_unsettled(self, shared: RedisLedger, only: list[str] | None = None) -> None:
@@ -560,10 +625,13 @@ class AdmissionGate:
         if not leases:
             return
         self._settling.update(leases)
-        batch = [(*self._unsettled[lease], lease) for lease in leases]
+        batch = [(*self._unsettled[lease][:2], lease) for lease in leases]
+        tenants = {
+            lease: tenant for lease in leases if (tenant := self._unsettled[lease][2]) is not None
+        }
         started = self._clock()
         try:
-            removed = await shared.cancel_many(batch)
+            removed = await shared.cancel_many(batch, tenants)
         except LedgerUnavailable as exc:
             self._redis_failed("cancel", exc)
             return
@@ -645,7 +713,7 @@ class AdmissionGate:
             return False
         del self._held[ticket.lease]
         self._untrack(held)
-        self._local.release_now(held)
+        self._release_local(held)
         self.waiters.freed(held.cluster, held.class_name)
         return True
 
@@ -682,7 +750,7 @@ class AdmissionGate:
             # Retried with the reconciliation; in any case the lease is no longer renewed,
             # so Redis frees it within the lease TTL.
             self._m.release_errors.inc()
-            self._keep_unsettled(ticket.lease, ticket.cluster, ticket.class_name)
+            self._keep_unsettled(ticket.lease, ticket.cluster, ticket.class_name, ticket.tenant)
             self._redis_failed("release", exc)
             return
         except Exception:
@@ -752,18 +820,21 @@ class AdmissionGate:
                 continue
             if not self._redis_due():
                 break
-            # No caps: the request is running; the reserve only records it.
-            demand = Demand(ticket.cluster, ticket.class_name, ticket.tokens, Budget(), Budget())
+            # No caps: the request is running; the reserve only records it (and its tenant).
+            tenant = TenantClaim(ticket.tenant) if ticket.tenant is not None else None
+            demand = Demand(
+                ticket.cluster, ticket.class_name, ticket.tokens, Budget(), Budget(), tenant
+            )
             answer = await self._reserve_shared(shared, demand)
             if answer is None or answer.ticket is None:
                 break
             copy = answer.ticket
             if self._held.get(key) is not ticket:
                 # Released (or moved) while the reserve was in flight: take the copy back.
-                self._settle(shared, copy.cluster, copy.class_name, copy.lease)
+                self._settle(shared, copy.cluster, copy.class_name, copy.lease, copy.tenant)
                 continue
             self._untrack(ticket)
-            self._local.release_now(ticket)
+            self._release_local(ticket)
             self._track(copy, key=key, admitted=False)
             adopted += 1
         if adopted:

@@ -29,6 +29,13 @@ request class, its three keys sharing one hash tag ``{cluster:class}``)::
     P:{cluster:class}:queue_expiry  ZSET  ticket -> lease expiry (Redis TIME, s)
     P:{cluster:class}:queue_meta    HASH  vt (the tag last admitted), seq (arrivals),
                                           t:<tenant> (its counter), k:<ticket> (its tokens)
+    P:tenant:{T}:leases             ZSET  a limited tenant's requests in flight, fleet-wide:
+                                          lease id -> expiry (the compartment lease's twin)
+    P:tenant:{T}:state              HASH  level, level_at: its tokens-per-minute bucket
+
+A tenant's keys (``T``: its unkeyed digest) are written by the same reserve.lua call that
+admits the request, renewed by renew.lua and released by release.lua with the compartment's
+lease; a lease that lapses stops counting for its tenant as for its compartment.
 
 Lease ids are ``<replica id>:<sequence>``; the replica id is random per process. Queue tickets
 (queue.lua) are ``<arrival number>/<replica id>:q<sequence>``, leased for ``TICKET_LEASE_S``
@@ -37,8 +44,11 @@ soon. Times come from the Redis server clock (``TIME`` inside the scripts), neve
 replica's. All keys of a compartment expire together after an idle period longer than the
 lease TTL, so compartments of removed classes or clusters clean themselves up. Every script
 call touches the keys of one compartment only, all in the hash slot of ``{cluster:class}``, so
-the same layout runs on a single Redis, a primary with replicas, or Redis Cluster
-(``redis+cluster://`` URLs, see extproc.ledger.redis_client).
+the same layout runs on a single Redis or a primary with replicas. On Redis Cluster
+(``redis+cluster://`` URLs, see extproc.ledger.redis_client) a tenant's count spans every
+compartment, so one script cannot reach both in different slots: there every ledger key
+carries the one hash tag ``{P}`` (``P:{P}:cluster:class:state``, ``P:{P}:tenant:T:leases``,
+...), all on one shard, and each admission is still one script call.
 
 Every call is bounded by ``redis.timeout_ms`` and redis-py's own retries are disabled: a
 retried reserve could wait several timeouts, and the policy for an unreachable Redis belongs
@@ -54,7 +64,7 @@ import inspect
 import itertools
 import logging
 import secrets
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -67,11 +77,12 @@ from extproc.core.admission import (
     Demand,
     LedgerAnswer,
     ReleaseStats,
+    TenantClaim,
     Ticket,
 )
 from extproc.core.fleet import Budget
 from extproc.ledger.base import LedgerUnavailable
-from extproc.ledger.redis_client import AnyRedis, any_client
+from extproc.ledger.redis_client import AnyRedis, any_client, is_cluster_url
 
 log = logging.getLogger("extproc.ledger")
 
@@ -104,15 +115,33 @@ def _script(name: str) -> str:
     return text
 
 
-def compartment_keys(prefix: str, cluster: str, class_name: str) -> tuple[str, str, str]:
-    base = f"{prefix}:{{{cluster}:{class_name}}}"
+def _compartment(prefix: str, cluster: str, class_name: str, one_slot: bool) -> str:
+    if one_slot:
+        return f"{prefix}:{{{prefix}}}:{cluster}:{class_name}"
+    return f"{prefix}:{{{cluster}:{class_name}}}"
+
+
+def compartment_keys(
+    prefix: str, cluster: str, class_name: str, one_slot: bool = False
+) -> tuple[str, str, str]:
+    """A compartment's keys (``one_slot``: the Redis Cluster layout, every ledger key in the
+    slot of ``{prefix}``)."""
+    base = _compartment(prefix, cluster, class_name, one_slot)
     return f"{base}:state", f"{base}:leases", f"{base}:lease_tokens"
 
 
-def queue_keys(prefix: str, cluster: str, class_name: str) -> tuple[str, str, str]:
+def queue_keys(
+    prefix: str, cluster: str, class_name: str, one_slot: bool = False
+) -> tuple[str, str, str]:
     """The keys of a compartment's fleet-wide flow-control queue (same hash slot)."""
-    base = f"{prefix}:{{{cluster}:{class_name}}}"
+    base = _compartment(prefix, cluster, class_name, one_slot)
     return f"{base}:queue", f"{base}:queue_expiry", f"{base}:queue_meta"
+
+
+def tenant_keys(prefix: str, tenant: str, one_slot: bool = False) -> tuple[str, str]:
+    """A tenant's keys: its leases in flight (zset) and its tokens-per-minute bucket."""
+    base = f"{prefix}:{{{prefix}}}:tenant:{tenant}" if one_slot else f"{prefix}:tenant:{{{tenant}}}"
+    return f"{base}:leases", f"{base}:state"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +177,12 @@ class RedisLedger:
         timeout_s: float = 0.05,
         replica_id: str | None = None,
         max_connections: int = 16,
+        one_slot: bool = False,
     ) -> None:
         self.client = client
+        # Redis Cluster: every ledger key in one slot, so a tenant's keys and any compartment's
+        # can be in one script call (see the module docstring).
+        self.one_slot = one_slot
         # Where the release listener opens its own connection (extproc/ledger/waiters.py);
         # None for a ledger built on a given client (then it subscribes through that one).
         self.url: str | None = None
@@ -188,6 +221,7 @@ class RedisLedger:
             timeout_s=timeout_s,
             replica_id=replica_id,
             max_connections=max_connections,
+            one_slot=is_cluster_url(url),
         )
         ledger.url = url
         return ledger
@@ -247,17 +281,41 @@ class RedisLedger:
             int(raw[9]),
             int(raw[10]),
             int(raw[11]) == 1,
+            int(raw[12]) == 1,
+            int(raw[13]),
+            _num(raw[14]),
         )
 
-    def _keys(self, cluster: str, class_name: str) -> tuple[str, ...]:
-        return (
-            *compartment_keys(self.prefix, cluster, class_name),
-            *queue_keys(self.prefix, cluster, class_name),
-        )
+    def compartment(self, cluster: str, class_name: str) -> tuple[str, str, str]:
+        return compartment_keys(self.prefix, cluster, class_name, self.one_slot)
+
+    def _queue_keys(self, cluster: str, class_name: str) -> tuple[str, str, str]:
+        return queue_keys(self.prefix, cluster, class_name, self.one_slot)
+
+    def tenant_keys(self, tenant: str) -> tuple[str, str]:
+        return tenant_keys(self.prefix, tenant, self.one_slot)
+
+    def _keys(
+        self, cluster: str, class_name: str, tenant: TenantClaim | None = None
+    ) -> tuple[str, ...]:
+        keys = (*self.compartment(cluster, class_name), *self._queue_keys(cluster, class_name))
+        return keys if tenant is None else (*keys, *self.tenant_keys(tenant.key))
+
+    def _with_tenant(self, cluster: str, class_name: str, tenant: str | None) -> tuple[str, ...]:
+        """The keys of release.lua and renew.lua for a lease held by ``tenant`` (or none)."""
+        keys = self.compartment(cluster, class_name)
+        return keys if tenant is None else (*keys, self.tenant_keys(tenant)[0])
 
     def _args(
-        self, lease: str, tokens: int, limits: Budget, peek: bool, queue: str = ""
+        self,
+        lease: str,
+        tokens: int,
+        limits: Budget,
+        peek: bool,
+        queue: str = "",
+        tenant: TenantClaim | None = None,
     ) -> list[str | int]:
+        own = tenant.limit if tenant is not None else None
         return [
             lease,
             tokens,
@@ -271,6 +329,8 @@ class RedisLedger:
             queue,
             repr(TICKET_LEASE_S),
             self.freed_channel,
+            (own.max_concurrent or 0) if own is not None else 0,
+            (own.tokens_per_minute or 0) if own is not None else 0,
         ]
 
     def new_lease(self) -> str:
@@ -288,14 +348,16 @@ class RedisLedger:
         pass them), a ticket (:meth:`join`) is granted only at the head of the queue.
         """
         lease = lease or self.new_lease()
-        keys = self._keys(demand.cluster, demand.class_name)
-        args = self._args(lease, demand.tokens, demand.limits, False, queue)
+        tenant = demand.tenant
+        keys = self._keys(demand.cluster, demand.class_name, tenant)
+        args = self._args(lease, demand.tokens, demand.limits, False, queue, tenant)
         raw = await self._bounded("reserve", self._reserve(keys=keys, args=args))
-        ticket = Ticket(demand.cluster, demand.class_name, demand.tokens, lease, self.store)
+        held = tenant.key if tenant is not None else None
+        ticket = Ticket(demand.cluster, demand.class_name, demand.tokens, lease, self.store, held)
         return self._answer(raw, ticket)
 
     async def release(self, ticket: Ticket) -> bool:
-        keys = compartment_keys(self.prefix, ticket.cluster, ticket.class_name)
+        keys = self._with_tenant(ticket.cluster, ticket.class_name, ticket.tenant)
         args = self._release_args(ticket.lease, 0.0)
         raw = await self._bounded("release", self._release(keys=keys, args=args))
         return int(raw) == 1
@@ -317,31 +379,41 @@ class RedisLedger:
 
     def compartment_of(self, state_key: str) -> tuple[str, str] | None:
         """(cluster, class) of a compartment's state key, None when it is not one of ours."""
-        head = f"{self.prefix}:{{"
-        if not state_key.startswith(head) or not state_key.endswith("}:state"):
+        head, tail = f"{self.prefix}:{{", "}:state"
+        if self.one_slot:
+            head, tail = f"{self.prefix}:{{{self.prefix}}}:", ":state"
+        if not state_key.startswith(head) or not state_key.endswith(tail):
             return None
-        cluster, sep, class_name = state_key[len(head) : -len("}:state")].rpartition(":")
+        cluster, sep, class_name = state_key[len(head) : -len(tail)].rpartition(":")
         return (cluster, class_name) if sep else None
 
-    async def cancel(self, cluster: str, class_name: str, lease: str) -> bool:
+    async def cancel(
+        self, cluster: str, class_name: str, lease: str, tenant: str | None = None
+    ) -> bool:
         """Settle a reserve whose outcome the caller never saw: release ``lease`` if Redis
         holds it, otherwise make sure a reserve of it that arrives later is refused.
 
         Idempotent. True when the lease was held (the reserve had run: a phantom removed).
         """
-        keys = compartment_keys(self.prefix, cluster, class_name)
+        keys = self._with_tenant(cluster, class_name, tenant)
         args = self._release_args(lease, self.lease_ttl_s)
         raw = await self._bounded("cancel", self._release(keys=keys, args=args))
         return int(raw) == 1
 
-    async def cancel_many(self, leases: Sequence[tuple[str, str, str]]) -> int:
-        """:meth:`cancel` for many (cluster, class, lease) at once: pipelined round trips of
-        at most RENEW_CHUNK calls. Returns how many were held (phantoms removed)."""
+    async def cancel_many(
+        self,
+        leases: Sequence[tuple[str, str, str]],
+        tenants: Mapping[str, str] | None = None,
+    ) -> int:
+        """:meth:`cancel` for many (cluster, class, lease) at once (``tenants``: lease -> the
+        tenant its reserve counted): pipelined round trips of at most RENEW_CHUNK calls.
+        Returns how many were held (phantoms removed)."""
         removed = 0
+        tenants = tenants or {}
         for i in range(0, len(leases), RENEW_CHUNK):
             calls = []
             for cluster, class_name, lease in leases[i : i + RENEW_CHUNK]:
-                keys = compartment_keys(self.prefix, cluster, class_name)
+                keys = self._with_tenant(cluster, class_name, tenants.get(lease))
                 calls.append((keys, self._release_args(lease, self.lease_ttl_s)))
             raw = await self._pipelined("cancel", self._release.sha, calls)
             removed += sum(1 for x in raw if int(x) == 1)
@@ -372,16 +444,16 @@ class RedisLedger:
         Chunked per compartment (RENEW_CHUNK leases per script call) and batched (RENEW_BATCH
         leases per pipelined round trip, each under the Redis timeout on its own).
         """
-        groups: dict[tuple[str, str], list[str]] = {}
+        groups: dict[tuple[str, str, str | None], list[str]] = {}
         for t in tickets:
-            groups.setdefault((t.cluster, t.class_name), []).append(t.lease)
-        calls: list[tuple[tuple[str, str, str], list[str]]] = []
-        for (cluster, class_name), leases in groups.items():
-            keys = compartment_keys(self.prefix, cluster, class_name)
+            groups.setdefault((t.cluster, t.class_name, t.tenant), []).append(t.lease)
+        calls: list[tuple[tuple[str, ...], list[str]]] = []
+        for (cluster, class_name, tenant), leases in groups.items():
+            keys = self._with_tenant(cluster, class_name, tenant)
             for i in range(0, len(leases), RENEW_CHUNK):
                 calls.append((keys, leases[i : i + RENEW_CHUNK]))
         lost: list[str] = []
-        batch: list[tuple[tuple[str, str, str], list[str]]] = []
+        batch: list[tuple[tuple[str, ...], list[str]]] = []
         size = 0
         for call in calls:
             batch.append(call)
@@ -393,9 +465,7 @@ class RedisLedger:
             lost.extend(await self._renew_batch(batch))
         return lost
 
-    async def _renew_batch(
-        self, batch: Sequence[tuple[tuple[str, str, str], list[str]]]
-    ) -> list[str]:
+    async def _renew_batch(self, batch: Sequence[tuple[tuple[str, ...], list[str]]]) -> list[str]:
         head: list[str | int] = [repr(float(self.lease_ttl_s)), self._idle_ttl_ms]
         calls = [(keys, [*head, *leases]) for keys, leases in batch]
         raw = await self._pipelined("renew", self._renew.sha, calls)
@@ -426,7 +496,7 @@ class RedisLedger:
     ) -> Joined:
         """Queue ``ticket`` in the compartment's fleet-wide fair order (unless it is full);
         its tag lies ``increment`` past its tenant's counter (FairClaim.increment)."""
-        keys = queue_keys(self.prefix, cluster, class_name)
+        keys = self._queue_keys(cluster, class_name)
         args: list[str | int] = ["join", ticket, tenant, repr(float(increment)), tokens]
         args += [repr(TICKET_LEASE_S), max_queue, self._idle_ttl_ms]
         raw = await self._bounded("join", self._queue(keys=keys, args=args))
@@ -436,8 +506,8 @@ class RedisLedger:
 
     async def leave(self, cluster: str, class_name: str, ticket: str) -> bool:
         """Withdraw ``ticket`` (idempotent); when it was the head, the next one is told."""
-        keys = queue_keys(self.prefix, cluster, class_name)
-        state = compartment_keys(self.prefix, cluster, class_name)[0]
+        keys = self._queue_keys(cluster, class_name)
+        state = self.compartment(cluster, class_name)[0]
         args = ["leave", ticket, self.freed_channel, state]
         raw = await self._bounded("leave", self._queue(keys=keys, args=args))
         return int(raw) == 1
@@ -445,13 +515,13 @@ class RedisLedger:
     async def charge(self, cluster: str, class_name: str, tenant: str, increment: float) -> None:
         """Advance ``tenant``'s counter in the compartment's fleet-wide queue by
         ``increment`` (its output, weighted), while the queue is contended."""
-        keys = queue_keys(self.prefix, cluster, class_name)
+        keys = self._queue_keys(cluster, class_name)
         args = ["charge", tenant, repr(float(increment))]
         await self._bounded("charge", self._queue(keys=keys, args=args))
 
     async def touch(self, cluster: str, class_name: str, tickets: Sequence[str]) -> list[str]:
         """Renew ``tickets``' leases; returns those no longer queued (lapsed or admitted)."""
-        keys = queue_keys(self.prefix, cluster, class_name)
+        keys = self._queue_keys(cluster, class_name)
         args = ["touch", repr(TICKET_LEASE_S), *tickets]
         raw = await self._bounded("touch", self._queue(keys=keys, args=args))
         return [_text(x) for x in raw]
@@ -479,4 +549,5 @@ __all__ = [
     "compartment_keys",
     "lease_ttl_tick",
     "queue_keys",
+    "tenant_keys",
 ]

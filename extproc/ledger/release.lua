@@ -9,6 +9,7 @@
 -- reservation nobody owns.
 --
 -- KEYS[1] state hash   KEYS[2] lease expiry zset   KEYS[3] lease tokens hash
+-- KEYS[4] (optional) the lease's tenant's lease expiry zset (reserve.lua): it leaves it too
 -- ARGV: lease_id, rate_tau_s, idle_ttl_ms, cancel_ttl_s (0: a plain release),
 --       freed_channel (optional: where a release is announced to waiting replicas)
 -- Returns 1 when the lease was held, 0 otherwise.
@@ -21,6 +22,8 @@ local freed_channel = ARGV[5]
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+
+if KEYS[4] then redis.call('ZREM', KEYS[4], lease_id) end
 
 local held = redis.call('HGET', lease_tokens, lease_id)
 local tokens = held and tonumber(held) or -1

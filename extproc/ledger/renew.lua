@@ -1,10 +1,12 @@
 -- Extend a chunk of one replica's leases in one (cluster, class) compartment.
 --
--- One compartment per call keeps every key in one hash slot (Redis Cluster), and the caller
+-- One compartment (and its leases' tenant) per call keeps every key in one hash slot on Redis
+-- Cluster (the ledger's one-slot layout there, extproc/ledger/redis.py), and the caller
 -- bounds the chunk (extproc.ledger.redis.RENEW_CHUNK) so no call blocks Redis for long: two
 -- variadic commands in C (ZMSCORE, ZADD XX) instead of a Lua loop of commands.
 --
 -- KEYS[1] state hash   KEYS[2] lease expiry zset   KEYS[3] lease tokens hash
+-- KEYS[4] (optional) the leases' tenant's lease expiry zset (reserve.lua): extended alike
 -- ARGV[1] lease_ttl_s, ARGV[2] idle_ttl_ms, ARGV[3..] lease ids
 -- Returns the lease ids that were no longer held (reaped after expiring, or lost with a Redis
 -- restart): their requests now run unaccounted, which the caller counts.
@@ -29,6 +31,10 @@ if #ARGV >= 3 then
 end
 if #update > 0 then
   redis.call('ZADD', leases, 'XX', unpack(update))
+  if KEYS[4] then
+    redis.call('ZADD', KEYS[4], 'XX', unpack(update))
+    redis.call('PEXPIRE', KEYS[4], idle_ttl_ms)
+  end
 end
 redis.call('PEXPIRE', state, idle_ttl_ms)
 redis.call('PEXPIRE', leases, idle_ttl_ms)

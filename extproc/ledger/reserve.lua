@@ -4,15 +4,20 @@
 -- KEYS[1] state hash   KEYS[2] lease expiry zset   KEYS[3] lease tokens hash
 -- KEYS[4..6] the compartment's fleet-wide queue (queue.lua): queue zset, ticket expiry zset,
 --            queue meta hash (its ticket helpers are tickets.lua's, loaded in front)
+-- KEYS[7..8] (optional) the request's tenant: its lease expiry zset (lease id -> expiry: the
+--            tenant's requests in flight, fleet-wide) and its state hash (level, level_at: its
+--            tokens-per-minute bucket)
 -- ARGV: lease_id, tokens, max_inflight_tokens, max_concurrent, tokens_per_second,
 --       burst_tokens, lease_ttl_s, idle_ttl_ms, peek (1 = only report, reserve nothing),
 --       queue mode ('' = ignore the queue: a charge that follows a failover; '-' = a new
 --       request: it does not pass anyone queued; else the caller's queue ticket: granted only
---       at the head of the queue), ticket lease_s, freed channel
+--       at the head of the queue), ticket lease_s, freed channel, the tenant's max_concurrent
+--       and tokens_per_minute (0: no such limit; the tenant is still counted)
 -- Returns {granted, inflight_tokens, concurrent, bucket_level, rel_n, rel_tokens, rel_at,
 --          rel_since, now, queued, queued_tokens, behind (1: refused because another
---          request heads the queue)}; floats as strings (Redis would truncate Lua numbers to
---          integers).
+--          request heads the queue), tenant_refused (1: refused by the tenant's own limits,
+--          nothing reserved), tenant_inflight, tenant_bucket}; floats as strings (Redis would
+--          truncate Lua numbers to integers).
 local state, leases, lease_tokens = KEYS[1], KEYS[2], KEYS[3]
 local queue, qexpiry, qmeta = KEYS[4], KEYS[5], KEYS[6]
 local mode = ARGV[10] or ''
@@ -27,6 +32,9 @@ local burst = tonumber(ARGV[6])
 local ttl = tonumber(ARGV[7])
 local idle_ttl_ms = tonumber(ARGV[8])
 local peek = ARGV[9] == '1'
+local tenant_leases, tenant_state = KEYS[7], KEYS[8]
+local tenant_max = tonumber(ARGV[13]) or 0
+local tenant_rate = tonumber(ARGV[14]) or 0
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -80,7 +88,29 @@ if queue then
   end
 end
 
+-- The tenant: leases whose holder stopped renewing them (crashed, partitioned) stop counting,
+-- as the compartment's do; what is left is its requests in flight on every replica.
+local tenant_count, tenant_level, tenant_ok = 0, 0, true
+if tenant_leases then
+  redis.call('ZREMRANGEBYSCORE', tenant_leases, '-inf', now)
+  tenant_count = redis.call('ZCARD', tenant_leases)
+  if tenant_rate > 0 then
+    local ts = redis.call('HMGET', tenant_state, 'level', 'level_at')
+    local prev = tonumber(ts[1])
+    if prev == nil then
+      tenant_level = tenant_rate
+    else
+      local gained = math.max(0, now - (tonumber(ts[2]) or now)) * tenant_rate / 60
+      tenant_level = math.min(tenant_rate, prev + gained)
+    end
+  end
+  -- A request larger than the whole bucket waits for a full one, not forever.
+  tenant_ok = (tenant_max == 0 or tenant_count < tenant_max)
+    and (tenant_rate == 0 or tenant_level >= math.min(need, tenant_rate))
+end
+
 local granted = 0
+local tenant_refused = 0
 if not peek and not blocked then
   local prior = tonumber(redis.call('HGET', lease_tokens, lease_id))
   if prior and prior < 0 then
@@ -90,6 +120,8 @@ if not peek and not blocked then
   elseif prior then
     -- A retried call whose first attempt did reserve: answer the same, charge nothing twice.
     granted = 1
+  elseif not tenant_ok then
+    tenant_refused = 1
   elseif (max_tokens == 0 or inflight + need <= max_tokens)
       and (max_concurrent == 0 or count + 1 <= max_concurrent)
       and (burst == 0 or level >= need) then
@@ -99,6 +131,18 @@ if not peek and not blocked then
     if burst > 0 then level = level - need end
     redis.call('ZADD', leases, now + ttl, lease_id)
     redis.call('HSET', lease_tokens, lease_id, need)
+    if tenant_leases then
+      -- Renewed and released with the compartment's lease (renew.lua, release.lua).
+      redis.call('ZADD', tenant_leases, now + ttl, lease_id)
+      tenant_count = tenant_count + 1
+      if tenant_rate > 0 then
+        tenant_level = tenant_level - need
+        redis.call('HSET', tenant_state, 'level', tostring(tenant_level), 'level_at',
+          tostring(now))
+      end
+      redis.call('PEXPIRE', tenant_leases, idle_ttl_ms)
+      redis.call('PEXPIRE', tenant_state, idle_ttl_ms)
+    end
   end
 end
 
@@ -130,4 +174,5 @@ redis.call('PEXPIRE', leases, idle_ttl_ms)
 redis.call('PEXPIRE', lease_tokens, idle_ttl_ms)
 
 return {granted, inflight, count, tostring(level), s[5] or '0', s[6] or '0', s[7] or '0',
-  s[8] or '0', tostring(now), queued, queued_tokens, blocked and 1 or 0}
+  s[8] or '0', tostring(now), queued, queued_tokens, blocked and 1 or 0, tenant_refused,
+  tenant_count, tostring(tenant_level)}

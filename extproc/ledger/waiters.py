@@ -241,7 +241,7 @@ class Queued:
                         self._granted_shared = attempt.outcome.ticket.store != "memory"
                         self._finish("admitted")
                         return attempt.outcome
-                    if attempt.answer is None:  # the closed policy's 503
+                    if attempt.answer is None:  # the closed policy's 503, a tenant's 429
                         self._finish("timeout")
                         self.gate.count_reject(attempt.outcome)
                         return attempt.outcome

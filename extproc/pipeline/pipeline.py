@@ -31,7 +31,7 @@ import orjson
 from prometheus_client import Counter
 
 from extproc.config.runtime import Runtime
-from extproc.core.admission import Admitted, Reject, request_tokens
+from extproc.core.admission import Admitted, Reject, TenantClaim, request_tokens
 from extproc.core.affinity import (
     Decision,
     Kind,
@@ -452,7 +452,7 @@ class Pipeline:
         tenant = self._tenant(runtime, headers, facts)
         if self._tenant_metrics.enabled:
             hold.tenant_label = tenant.label
-        if runtime.flow.limits_tenants:
+        if runtime.flow.limits_tenants and not self._tenants_in_ledger:
             over = self._take_tenant(runtime, tenant, facts, route, hold)
             if over is not None:
                 self._count_reject(facts, over, headers)
@@ -821,7 +821,8 @@ class Pipeline:
                 return self._elsewhere(runtime, facts, route, view, now)
 
         wait = route.request_class.wait
-        step = steps.admission_step(request_tokens(facts), route, elsewhere, wait)
+        claim = self._tenant_claim(runtime, tenant)
+        step = steps.admission_step(request_tokens(facts), route, elsewhere, wait, claim)
         outcome = await self._drive(step, gate, runtime, facts, now, tenant)
         if outcome is None:
             gate.count_unbudgeted(route.request_class.name)
@@ -869,6 +870,18 @@ class Pipeline:
             flow.tenant_fallback,
             runtime.key_rules.label_secret,
         )
+
+    @property
+    def _tenants_in_ledger(self) -> bool:
+        """With Redis the tenant's own limits are counted fleet-wide by the reservation itself
+        (reserve.lua, one round trip); without it, by this replica (:meth:`_take_tenant`)."""
+        return self._gate is not None and self._gate.counts_tenants
+
+    def _tenant_claim(self, runtime: Runtime, tenant: Tenant) -> TenantClaim | None:
+        if not runtime.flow.limits_tenants or not self._tenants_in_ledger:
+            return None
+        limit = runtime.flow.limit_for(tenant.key)
+        return TenantClaim(tenant.key, limit) if limit.enabled else None
 
     def _take_tenant(
         self,

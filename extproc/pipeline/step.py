@@ -33,11 +33,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from extproc.core.admission import (
+    TENANT_REASONS,
     Admitted,
     Attempt,
     CompartmentUsage,
     Demand,
     Reject,
+    TenantClaim,
     Ticket,
     plan,
 )
@@ -113,26 +115,30 @@ def admission_step(
     route: Route,
     elsewhere: Callable[[], Iterable[Route]] | None,
     wait: WaitPolicy,
+    tenant: TenantClaim | None = None,
 ) -> Step:
     """Admit ``tokens`` on ``route``'s primary; else, when ``elsewhere`` is given (a new
     session, flow control placing), on the first of its routes with room (remembered);
-    else wait or refuse (``wait``: the class's wait policy)."""
-    planned = plan(tokens, route)
+    else wait or refuse (``wait``: the class's wait policy). ``tenant``: counted (and its own
+    limits checked) in the same reservations; a refusal by those limits is answered at once."""
+    planned = plan(tokens, route, tenant)
     if planned is None or isinstance(planned, Reject):
         return planned  # unbudgeted, or a 413 no budget could ever admit
     look = wait.enabled and (yield QueueDepth(planned.cluster, planned.class_name)) > 0
     attempt: Attempt = yield Reserve(planned, look)
-    if isinstance(attempt.outcome, Admitted):
+    if isinstance(attempt.outcome, Admitted) or attempt.outcome.reason in TENANT_REASONS:
         return attempt.outcome
     if elsewhere is not None and attempt.outcome.status == 429:
         for candidate in elsewhere():
-            demand = plan(tokens, candidate)
+            demand = plan(tokens, candidate, tenant)
             if not isinstance(demand, Demand):
                 continue
             tried: Attempt = yield Reserve(demand)
             if isinstance(tried.outcome, Admitted):
                 yield RememberPlacement(candidate)
                 return Placed(candidate, tried.outcome)
+            if tried.outcome.reason in TENANT_REASONS:
+                return tried.outcome
     return (yield JoinQueue(planned, attempt, wait))
 
 
