@@ -11,13 +11,14 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from extproc.core.admission import Admitted, Demand, Reject, Ticket
+from extproc.core.admission import Admitted, Demand, Reject, TenantClaim, Ticket
 from extproc.core.affinity import Decision, Override
 from extproc.core.fleet import Budget
+from extproc.core.flow import TenantLimit
 from extproc.core.placement import Placement
 from extproc.harness.launch import free_port
 from extproc.ledger.base import LedgerUnavailable
-from extproc.ledger.redis import RedisLedger, compartment_keys
+from extproc.ledger.redis import RedisLedger, compartment_keys, queue_keys, tenant_keys
 from extproc.ledger.waiters import listen_for_releases
 from extproc.pipeline.fleet_state import PROBE_INTERVAL_S, FleetState, RedisSessions
 from extproc.pipeline.metrics import Metrics
@@ -75,14 +76,49 @@ async def usage(url: str, cluster: str, limits: Budget) -> tuple[int, int]:
     return seen.inflight_tokens, seen.concurrent
 
 
-def test_each_compartment_lives_in_one_slot(cluster: RedisClusterServers) -> None:
-    slots = set()
-    for name in ("c1", "c2"):
-        keys = compartment_keys("fleet", name, "short")
-        per_key = {command(cluster.seed_port, "CLUSTER", "KEYSLOT", k).strip() for k in keys}
-        assert len(per_key) == 1, keys
-        slots |= per_key
-    assert len(slots) == 2  # different compartments spread over the cluster
+def test_every_ledger_key_lives_in_one_slot(cluster: RedisClusterServers) -> None:
+    """A tenant's count spans compartments: on a cluster every ledger key shares one slot, so
+    one script call reaches the compartment and the tenant."""
+    keys = [
+        *compartment_keys("fleet", "c1", "short", one_slot=True),
+        *compartment_keys("fleet", "c2", "long", one_slot=True),
+        *queue_keys("fleet", "c2", "long", one_slot=True),
+        *tenant_keys("fleet", "ab" * 16, one_slot=True),
+    ]
+    slots = {command(cluster.seed_port, "CLUSTER", "KEYSLOT", k).strip() for k in keys}
+    assert len(slots) == 1, keys
+
+
+async def test_a_tenants_limit_is_one_count_over_compartments_on_a_cluster(
+    cluster: RedisClusterServers,
+) -> None:
+    a = RedisLedger.from_url(cluster.url, timeout_s=2.0)
+    b = RedisLedger.from_url(cluster.url, timeout_s=2.0)
+    assert a.one_slot
+    await a.load()
+    await b.load()
+    budget = Budget(max_concurrent=10)
+    claim = TenantClaim("cd" * 16, TenantLimit(max_concurrent=2))
+    try:
+        answers = [
+            await ledger.reserve(Demand(name, "tenants", 10, budget, budget, claim))
+            for ledger, name in ((a, "c1"), (b, "c2"), (a, "c3"))
+        ]
+        assert [x.granted for x in answers] == [True, True, False]
+        assert answers[2].tenant_refused and answers[2].tenant_inflight == 2
+        first = answers[0].ticket
+        assert first is not None
+        assert await b.release(first)
+        again = await b.reserve(Demand("c3", "tenants", 10, budget, budget, claim))
+        assert again.granted
+        # Renewal reaches the tenant's key in the same call (no CROSSSLOT).
+        held = [t for t in (answers[1].ticket, again.ticket) if t is not None]
+        assert await b.renew(held) == []
+        for t in held:
+            await b.release(t)
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_one_budget_shared_by_two_gates_on_a_cluster(cluster: RedisClusterServers) -> None:
@@ -136,7 +172,7 @@ async def test_primary_failover_recovers_the_budget_and_leaks_nothing(
             assert time.monotonic() < deadline
             await asyncio.sleep(0.25)
 
-    victim = cluster.primary_for(compartment_keys("fleet", name, "short")[0])
+    victim = cluster.primary_for(compartment_keys("fleet", name, "short", one_slot=True)[0])
     cluster.node(victim).kill()
     killed = time.monotonic()
     stores: list[str] = []

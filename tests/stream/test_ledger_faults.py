@@ -128,7 +128,7 @@ class KillClusterPrimary:
         rt = make_runtime(cluster.url, budget={"max_concurrent": BUDGET})
         name = rt.policy.route(request(rt, SESSION)).placement.primary
         victim = await asyncio.to_thread(
-            cluster.primary_for, compartment_keys("fleet", name, "short")[0]
+            cluster.primary_for, compartment_keys("fleet", name, "short", one_slot=True)[0]
         )
         (replica,) = await asyncio.to_thread(cluster.replicas_of, victim)
         cluster.node(victim).kill()
