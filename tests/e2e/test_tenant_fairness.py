@@ -6,6 +6,11 @@ Tenants are told apart by their API key (``flow.tenant_fallback: api_key``), as 
 it. A flooding tenant holds the class and queues four large requests; a steady tenant's small
 request, sent after them, is served before the flood's queue drains (tokens fairness). A client
 that names a tenant in the trusted tenant header is not believed: Envoy strips the header.
+
+A second stack (the ``limited`` fixture) gives every tenant ``max_concurrent: 3`` under a class
+budget of 16, with two replicas: the tenant's count is one fleet-wide count in Redis, so exactly
+three of its requests run at once across both replicas (a per-replica share would stop at
+2 = 2 x (3 // 2)), its fourth gets the tenant's 429, and it is admitted again after a release.
 """
 
 from __future__ import annotations
@@ -60,6 +65,31 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
                     "tenants": {"blocked": {"tokens_per_minute": 1}},
                     "redis_poll_ms": 1000,
                     "tenant_metrics_top": 2,
+                },
+            },
+        )
+        with running:
+            yield running
+
+
+TENANT_MAX = 3
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetStack]:
+    with RedisServer() as redis_server:
+        running = FleetStack(
+            tmp_path_factory.mktemp("limited"),
+            clusters=1,
+            sim_args=SIM_ARGS,
+            processors=2,
+            fleet_overrides={
+                "classes": [{"name": "any", "budget": {"max_concurrent": 16}}],
+                "redis": {"url": redis_server.url, "replicas": 2, "timeout_ms": 500},
+                "flow": {
+                    "tenant_header": "x-tenant",
+                    "tenant_fallback": "api_key",
+                    "tenant_limit": {"max_concurrent": TENANT_MAX},
                 },
             },
         )
@@ -167,3 +197,70 @@ def test_explain_names_the_tenant_by_its_label_only(stack: FleetStack) -> None:
     assert tenant["source"] == "api_key" and tenant["fairness"] == "tokens"
     assert len(tenant["label"]) == 16 and "sk-secret" not in str(answer)
     assert tenant["queue"]["queued"] == 0
+
+
+def test_a_tenants_max_concurrent_is_one_count_across_both_replicas(limited: FleetStack) -> None:
+    stack = limited
+    for i in range(len(stack.grpc_ports)):
+        stack.wait_processor_health(i)
+    client = client_for(stack, "sk-limited")
+    inflight = "fleet_budget_inflight_requests"
+
+    def hold(name: str) -> Any:
+        stream = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": f"{name}: {STEADY_TEXT}"}],
+            max_tokens=100_000,
+            stream=True,
+            extra_headers={"x-session-id": name},
+        )
+        next(iter(stream))  # admitted: the engine streams
+        return stream
+
+    def ask(name: str) -> int:
+        raw = client.chat.completions.with_raw_response.create(
+            model="m",
+            messages=[{"role": "user", "content": f"{name}: {STEADY_TEXT}"}],
+            max_tokens=2,
+            extra_headers={"x-session-id": name},
+        )
+        return raw.status_code
+
+    holders: list[Any] = []
+    try:
+        for i in range(TENANT_MAX):
+            holders.append(hold(f"held-{i}"))
+        wait_until(
+            polled(lambda: metric(stack, inflight) == TENANT_MAX), 120, "the tenant's requests"
+        )
+        per_replica = [
+            sum(v for (name, _), v in stack.processor_metrics(i).items() if name == inflight)
+            for i in range(len(stack.metrics_ports))
+        ]
+        print("held per replica:", per_replica)
+        with pytest.raises(openai.RateLimitError) as refused:
+            ask("over")
+        headers = refused.value.response.headers
+        assert f'"tenant-concurrency";q={TENANT_MAX}' in headers["ratelimit-policy"], headers
+        assert "tenant" in refused.value.message and "own limit" in refused.value.message
+        # Another tenant is not held back by this one.
+        assert (
+            client_for(stack, "sk-other")
+            .chat.completions.with_raw_response.create(
+                model="m",
+                messages=[{"role": "user", "content": STEADY_TEXT}],
+                max_tokens=2,
+            )
+            .status_code
+            == 200
+        )
+        holders.pop().close()  # the client goes away: its lease and its tenant's count go
+        wait_until(polled(lambda: metric(stack, inflight) == TENANT_MAX - 1), 120, "one released")
+        assert ask("after-release") == 200
+        assert metric(stack, "fleet_requests_total", outcome="tenant_concurrency") == 1
+    except BaseException:
+        print(dump_logs(stack))
+        raise
+    finally:
+        for h in holders:
+            h.close()
