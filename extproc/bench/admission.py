@@ -2,7 +2,9 @@
 
 Both ledgers run side by side in one process on the same requests: the gate's full path
 (plan → atomic reserve → verdict → metrics) per admission and per release, reported as
-p50/p99. For Redis it also counts round trips per admission and per release with
+p50/p99; ``redis+tenant`` is the Redis ledger with the request's tenant counted against its own
+limits (max_concurrent and tokens_per_minute, never reached) in the same reserve. For Redis it
+also counts round trips per admission and per release with
 ``INFO commandstats`` before and after each phase (commands the Lua scripts run inside Redis
 are counted there too, but cost no round trip, so they are left out). It starts its own
 ``redis-server`` on a free 127.0.0.1 port unless ``--redis-url`` names one.
@@ -30,9 +32,19 @@ from redis.asyncio import Redis
 from extproc.bench.fair_queue_cost import QueueRow, memory_rows, redis_rows, tenant_us
 from extproc.config.load import parse_config
 from extproc.config.runtime import Runtime, compile_runtime
-from extproc.core.admission import Admitted, Ticket
+from extproc.core.admission import (
+    Admitted,
+    Demand,
+    Reject,
+    TenantClaim,
+    Ticket,
+    plan,
+    request_tokens,
+)
+from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts, parse_request
-from extproc.ledger.gate import build_gate
+from extproc.core.flow import TenantLimit
+from extproc.ledger.gate import AdmissionGate, build_gate
 from extproc.ledger.redis import _script
 
 
@@ -160,8 +172,26 @@ def _facts(rt: Runtime, i: int) -> RequestFacts:
     return facts
 
 
+async def _admit(
+    gate: AdmissionGate, facts: RequestFacts, route: Route, tenant: TenantClaim | None
+) -> Admitted | Reject | None:
+    """The gate's admission; with ``tenant``, the demand carries it (the pipeline's path when
+    the tenant has limits and the ledger is Redis)."""
+    if tenant is None:
+        return await gate.admit(facts, route)
+    demand = plan(request_tokens(facts), route, tenant)
+    if not isinstance(demand, Demand):
+        raise RuntimeError(f"bench request not budgeted: {demand}")
+    return (await gate.attempt(demand)).outcome
+
+
 async def _measure(
-    name: str, rt: Runtime, url: str | None, args: argparse.Namespace, probe: Redis | None
+    name: str,
+    rt: Runtime,
+    url: str | None,
+    args: argparse.Namespace,
+    probe: Redis | None,
+    tenant: TenantClaim | None = None,
 ) -> Row:
     gate = build_gate(rt, CollectorRegistry(), time.monotonic, Random(args.seed), url)
     await gate.start()
@@ -170,7 +200,7 @@ async def _measure(
     internal = _script_commands()
     try:
         for i in range(args.warmup):
-            out = await gate.admit(requests[i % len(requests)], routes[i % len(routes)])
+            out = await _admit(gate, requests[i % len(requests)], routes[i % len(routes)], tenant)
             if isinstance(out, Admitted):
                 await gate.release(out.ticket)
 
@@ -180,7 +210,7 @@ async def _measure(
         clock = time.perf_counter_ns
         for facts, route in zip(requests, routes, strict=True):
             t0 = clock()
-            out = await gate.admit(facts, route)
+            out = await _admit(gate, facts, route, tenant)
             admit_ns.append(clock() - t0)
             if not isinstance(out, Admitted):
                 raise RuntimeError(f"{name}: admission refused during the benchmark: {out}")
@@ -226,12 +256,12 @@ def _table(rows: list[Row]) -> str:
         "trips/admit",
         "trips/release",
     )
-    lines = ["{:<8} {:>11} {:>11} {:>12} {:>12} {:>12} {:>14}".format(*head)]
+    lines = ["{:<13} {:>11} {:>11} {:>12} {:>12} {:>12} {:>14}".format(*head)]
     for r in rows:
         trips = ["0" if r.trips_admit is None else f"{r.trips_admit:.2f}"]
         trips.append("0" if r.trips_release is None else f"{r.trips_release:.2f}")
         lines.append(
-            "{:<8} {:>11} {:>11} {:>12} {:>12} {:>12} {:>14}".format(
+            "{:<13} {:>11} {:>11} {:>12} {:>12} {:>12} {:>14}".format(
                 r.ledger,
                 f"{_pct(r.admit_us, 0.50):.1f} µs",
                 f"{_pct(r.admit_us, 0.99):.1f} µs",
@@ -255,10 +285,14 @@ async def _bench(args: argparse.Namespace, url: str) -> tuple[list[Row], list[Qu
         )
         memory = await _measure("memory", rt, None, args, None)
         shared = await _measure("redis", rt, url, args, probe)
+        room = args.requests + args.warmup + 1
+        limit = TenantLimit(max_concurrent=room, tokens_per_minute=10_000 * room)
+        claim = TenantClaim("bench-tenant", limit)
+        tenant = await _measure("redis+tenant", rt, url, args, probe, claim)
         queued = [*memory_rows(args.requests), *await redis_rows(url, args.requests)]
     finally:
         await probe.aclose()
-    return [memory, shared], queued
+    return [memory, shared, tenant], queued
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """A tenant's own limits inside every class: when a request is over them, and the 429 it gets.
 
-Pure: the counting is the shell's (extproc/ledger/tenant_limits.py). The 429 names the tenant's
+Pure: the counting is the ledger's (extproc/ledger/tenant_limits.py in memory, reserve.lua in
+Redis, fleet-wide). The 429 names the tenant's
 limit, not the class's: its IETF ``RateLimit-Policy`` items are ``tenant-concurrency`` and
 ``tenant-rate``, its OpenAI ``x-ratelimit-*-tokens`` and Anthropic ``anthropic-ratelimit-*``
 headers carry the tenant's bucket, and its message says it is the tenant's own limit.

@@ -1,8 +1,9 @@
 """Per-tenant limits: requests in flight and tokens per minute, on top of the class budgets.
 
-This replica's own counts (in memory): with ``redis.replicas`` > 1 the caller passes each
-replica's share of every limit (:func:`extproc.core.tenant_limits.share`: limit / replicas, at
-least 1), as budgets are shared while Redis is unreachable.
+This replica's own counts (in memory), used without Redis (by the pipeline) and while Redis is
+unreachable (by the gate); with Redis up a tenant is counted fleet-wide by the reserve itself
+(extproc/ledger/reserve.lua). With ``redis.replicas`` > 1 the caller passes each replica's share
+of every limit (limit / replicas, at least 1), as budgets are shared while Redis is unreachable.
 The decision of what an over-limit request gets (a 429 naming the tenant's limit) is the
 core's (:func:`extproc.core.tenant_limits.refusal`); this module only counts.
 """

@@ -849,7 +849,14 @@ class Pipeline:
         if self._gate is not None:
             out["queue"] = self._gate.waiters.fair_view((cluster, class_name), claim)
         limit = flow.limit_for(tenant.key)
-        if limit.enabled:
+        if limit.enabled and self._tenants_in_ledger:
+            # Counted fleet-wide in Redis by each reservation; not read here.
+            out["limits"] = {
+                "max_concurrent": limit.max_concurrent,
+                "tokens_per_minute": limit.tokens_per_minute,
+                "counted_in": "redis",
+            }
+        elif limit.enabled:
             own = tenant_share(limit, runtime.redis.replicas)
             use = self.tenant_limits.use(tenant.key, own)
             out["limits"] = {
