@@ -262,6 +262,9 @@ class AdmissionGate:
         queue; ``ticket``, a waiter's, is granted only at that queue's head."""
         if not reserve:
             seen = await self.peek(demand)
+            if seen.tenant_refused and demand.tenant is not None:
+                use = TenantUse(seen.tenant_inflight, seen.tenant_bucket)
+                return Attempt(self._tenant_refusal(demand, demand.tenant, use), demand, None)
             refused = verdict(demand, dataclasses.replace(seen, granted=False), self._rng)
             return Attempt(refused, demand, seen)
         self._publish(demand.cluster, demand.class_name, demand.limits)
@@ -321,14 +324,31 @@ class AdmissionGate:
         """The compartment of ``demand`` as the active ledger sees it; reserves nothing."""
         if self._shared is not None and self._redis_due():
             try:
-                answer = await self._shared.usage(demand.cluster, demand.class_name, demand.limits)
+                answer = await self._shared.usage(
+                    demand.cluster, demand.class_name, demand.limits, demand.tenant, demand.tokens
+                )
             except LedgerUnavailable as exc:
                 self._redis_failed("usage", exc)
             else:
                 self._redis_ok()
                 return answer
         local = demand.shared(self._replicas)
-        return await self._local.usage(local.cluster, local.class_name, local.limits)
+        answer = await self._local.usage(local.cluster, local.class_name, local.limits)
+        claim = local.tenant
+        if claim is None:
+            return answer
+        use = self._tenants.use(claim.key, claim.limit)
+        own = claim.limit
+        over = (own.max_concurrent is not None and use.inflight >= own.max_concurrent) or (
+            own.tokens_per_minute is not None
+            and use.bucket_tokens < min(local.tokens, own.tokens_per_minute)
+        )
+        return dataclasses.replace(
+            answer,
+            tenant_refused=over,
+            tenant_inflight=use.inflight,
+            tenant_bucket=use.bucket_tokens,
+        )
 
     @property
     def polls_shared(self) -> bool:

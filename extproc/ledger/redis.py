@@ -471,11 +471,19 @@ class RedisLedger:
         raw = await self._pipelined("renew", self._renew.sha, calls)
         return [_text(x) for reply in raw for x in reply]
 
-    async def usage(self, cluster: str, class_name: str, limits: Budget) -> LedgerAnswer:
-        keys = self._keys(cluster, class_name)
-        raw = await self._bounded(
-            "usage", self._reserve(keys=keys, args=self._args("-", 0, limits, True))
-        )
+    async def usage(
+        self,
+        cluster: str,
+        class_name: str,
+        limits: Budget,
+        tenant: TenantClaim | None = None,
+        tokens: int = 0,
+    ) -> LedgerAnswer:
+        """The compartment (and ``tenant``, whether ``tokens`` would fit its limits) as it is;
+        reserves nothing."""
+        keys = self._keys(cluster, class_name, tenant)
+        args = self._args("-", tokens, limits, True, "", tenant)
+        raw = await self._bounded("usage", self._reserve(keys=keys, args=args))
         return self._answer(raw, None)
 
     # -- flow control's fleet-wide queue (queue.lua) ------------------------------------------

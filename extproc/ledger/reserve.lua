@@ -111,6 +111,11 @@ end
 
 local granted = 0
 local tenant_refused = 0
+if not tenant_ok and (peek or (blocked and not redis.call('HGET', lease_tokens, lease_id))) then
+  -- Over its own limits: refused now, not queued behind the waiters (nor, for a peek, told
+  -- that the queue is the only obstacle).
+  tenant_refused = 1
+end
 if not peek and not blocked then
   local prior = tonumber(redis.call('HGET', lease_tokens, lease_id))
   if prior and prior < 0 then

@@ -218,3 +218,25 @@ async def test_redis_down_falls_back_to_a_share_of_the_tenants_limit(server: Red
     await gate.release(first.ticket)  # the local tenant slot comes back with the ticket
     assert isinstance((await gate.attempt(want)).outcome, Admitted)
     await gate.close()
+
+
+async def test_over_its_limit_a_tenant_is_refused_not_queued_behind_waiters(
+    server: RedisServer,
+) -> None:
+    (a,) = await ledgers(server, 1)
+    limit = TenantLimit(max_concurrent=1)
+    held = await a.reserve(demand("c1", "t1", limit), queue="-")
+    assert held.granted
+    # Someone waits for the compartment: a new request does not pass them...
+    joined = await a.join("c1", "short", a.new_ticket(), "t2", 1.0, 10, 8)
+    assert joined.joined
+    behind = await a.reserve(demand("c1", "t3", limit), queue="-")
+    assert not behind.granted and behind.behind and not behind.tenant_refused
+    # ...but one over its tenant's own limit is refused for that, at once (it would not queue).
+    over = await a.reserve(demand("c1", "t1", limit), queue="-")
+    assert not over.granted and over.tenant_refused and over.tenant_inflight == 1
+    # A look (no reservation) says so too.
+    seen = await a.usage("c1", "short", BUDGET, TenantClaim("t1", limit), 10)
+    assert seen.tenant_refused and not seen.granted
+    assert not (await a.usage("c1", "short", BUDGET, TenantClaim("t4", limit), 10)).tenant_refused
+    await a.close()

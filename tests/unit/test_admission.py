@@ -16,12 +16,14 @@ from extproc.core.admission import (
     NO_SIGNAL_WAIT_S,
     RELEASE_RATE_TAU_S,
     Admitted,
+    Attempt,
     CompartmentUsage,
     Demand,
     LedgerAnswer,
     Reason,
     Reject,
     ReleaseStats,
+    TenantClaim,
     Ticket,
     jittered_seconds,
     plan,
@@ -32,8 +34,10 @@ from extproc.core.admission import (
 from extproc.core.api import Api
 from extproc.core.facts import RequestFacts
 from extproc.core.fleet import Budget, effective_burst
+from extproc.core.flow import TenantLimit, WaitPolicy
 from extproc.core.keys import KeySource, hash_key
 from extproc.core.ratelimit_headers import format_duration, rate_limit_headers
+from extproc.pipeline import step as steps
 
 CLUSTERS = ["c1", "c2", "c3", "c4"]
 
@@ -480,3 +484,41 @@ def test_openai_headers_report_the_binding_token_dimension() -> None:
 )
 def test_reset_duration_uses_openai_style(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
+
+
+# -- a tenant's own limits in the reservation -----------------------------------------------------
+
+
+def test_plan_carries_the_tenant_and_reserves_for_an_unbudgeted_class_only_with_limits() -> None:
+    rt = fleet()
+    claim = TenantClaim("t", TenantLimit(max_concurrent=2))
+    short = rt.policy.route(facts(100))
+    budgeted = plan(100, short, claim)
+    assert isinstance(budgeted, Demand) and budgeted.tenant == claim
+    assert budgeted.shared(2).tenant == TenantClaim("t", TenantLimit(max_concurrent=1))
+    long = rt.policy.route(facts(500_000))
+    assert long.request_class.name == "long"
+    assert plan(500_000, long) is None
+    assert plan(500_000, long, TenantClaim("t")) is None  # counted only: nothing to reserve
+    uncapped = plan(500_000, long, claim)
+    assert isinstance(uncapped, Demand) and uncapped.limits == Budget() and uncapped.tenant == claim
+
+
+def test_a_tenants_refusal_is_answered_at_once_not_placed_elsewhere_or_queued() -> None:
+    rt = fleet()
+    route = rt.policy.route(facts(100))
+    claim = TenantClaim("t", TenantLimit(max_concurrent=1))
+    tenant_429 = Reject(429, "short", "c1", "tenant", Reason.TENANT_CONCURRENCY)
+    needs: list[object] = []
+
+    def perform(need: object) -> object:
+        needs.append(need)
+        if isinstance(need, steps.QueueDepth):
+            return 0
+        assert isinstance(need, steps.Reserve)
+        assert need.demand.tenant == claim
+        return Attempt(tenant_429, need.demand, None)
+
+    step = steps.admission_step(100, route, lambda: [route], WaitPolicy(30.0, 8), claim)
+    assert steps.drive(step, perform) is tenant_429
+    assert [type(n).__name__ for n in needs] == ["QueueDepth", "Reserve"]
