@@ -52,6 +52,7 @@ from extproc.core.pd import (
     prefill_class_name,
 )
 from extproc.core.placement import Rendezvous
+from extproc.core.relief import ReliefParams
 from extproc.core.tenants import tenant_key
 from extproc.core.usage import Prices
 
@@ -122,6 +123,9 @@ class Runtime:
     decide_at_headers: bool = False
     # Bound of the per-replica session memory (affinity.max_sessions).
     max_sessions: int = 1_000_000
+    # GPU health's relief (gpu_health, when on and a cluster lists gpus): when a hot cluster's
+    # least active sessions move (extproc.core.relief). None: no GPU is watched.
+    gpu_relief: ReliefParams | None = None
     served_by_header: str | None = "x-served-by"
     # The response headers the pipeline reads when it reads any: load reports, the serving
     # cluster's name, the content type (SSE or not, for usage inspection).
@@ -277,6 +281,7 @@ def compile_runtime(
             )
         ),
         max_sessions=cfg.affinity.max_sessions,
+        gpu_relief=gpu_relief(cfg),
         served_by_header=served,
         pd=pd_plan(cfg, classes),
         response_headers=(
@@ -438,6 +443,14 @@ def balance_factor(cfg: FleetConfig, redis_url: str | None = None) -> float:
         return cfg.affinity.balance_factor
     shared = (redis_url or cfg.redis.url) is not None
     return DEFAULT_BALANCE_FACTOR if shared or cfg.redis.replicas == 1 else 0.0
+
+
+def gpu_relief(cfg: FleetConfig) -> ReliefParams | None:
+    """When a hot cluster's least active sessions move, or None when no GPU is watched."""
+    gh = cfg.gpu_health
+    if not gh.enabled or not any(c.gpus for c in cfg.clusters):
+        return None
+    return ReliefParams(gh.move_after_ms / 1000, gh.move_fraction)
 
 
 def affinity_params(cfg: AffinityConfig, balance: float) -> AffinityParams:

@@ -787,8 +787,8 @@ class EngineMetricsConfig(Strict):
 class GpuHealthConfig(Strict):
     """GPU health from NVIDIA's DCGM exporter, for the engines a cluster lists under ``gpus``:
     an engine over a threshold makes its cluster pressured (no new sessions start there; the
-    sessions it holds stay), as at affinity.kv_pressure_threshold. Read by load-aware
-    affinity (affinity.enabled)."""
+    sessions it holds stay), as at affinity.kv_pressure_threshold, with affinity on or off; while
+    it stays hot, its least active sessions move first (docs/gpu-health.md)."""
 
     enabled: bool = Field(
         default=False, description="Scrape the DCGM exporters the clusters list under gpus."
@@ -824,6 +824,21 @@ class GpuHealthConfig(Strict):
         description="Also when DCGM_FI_DEV_CLOCKS_EVENT_REASONS (or the older "
         "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS) has a thermal or hardware slowdown bit set (the "
         "exporter prints it only when its counters file lists it).",
+    )
+    move_after_ms: int = Field(
+        default=30000,
+        gt=0,
+        description="Once a cluster has stayed hot this long, the least active move_fraction of "
+        "the sessions it holds move on their next request; again each further move_after_ms "
+        "it stays hot (the default is the exporter's default refresh interval).",
+    )
+    move_fraction: float = Field(
+        default=0.25,
+        ge=0,
+        le=1,
+        description="Share of a hot cluster's remaining sessions, the least active first, moved "
+        "per move_after_ms it stays hot; at least one session always stays. 0: existing "
+        "sessions never move for their GPUs.",
     )
 
 

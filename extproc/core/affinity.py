@@ -88,7 +88,12 @@ from extproc.core.placement import Placement
 # "placed": a new session moved off its full primary by admission (extproc/core/flow.py).
 Kind = Literal["primary", "spilled", "migrated", "hot_spread", "override", "placed"]
 KINDS: tuple[Kind, ...] = ("primary", "spilled", "migrated", "hot_spread", "override", "placed")
-MigrationReason = Literal["unhealthy", "memory_pressure"]
+# Why a session left the cluster holding its cache: the cluster failed, its KV use is critical,
+# or relief (extproc.core.relief) picked it among the least active of a cluster whose GPUs stay
+# over a gpu_health threshold (the GPU verdict's own name).
+MigrationReason = Literal[
+    "unhealthy", "memory_pressure", "gpu_memory", "gpu_temperature", "gpu_slowdown"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +137,9 @@ class SessionView:
     # Any per-request number (e.g. a hash of the request id): breaks ties among hot-key targets
     # so that sequential requests of a hot key spread too.
     salt: int = 0
+    # Set when relief (extproc.core.relief) picked this session to leave the cluster it is on,
+    # whose GPUs stay over a threshold: the GPU verdict, the migration's reason.
+    leave: MigrationReason | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +181,10 @@ class _Judge:
         kv = self._kv(name)
         return kv is not None and kv >= self.params.kv_pressure_threshold
 
+    def gpu_hot(self, name: str) -> bool:
+        """One of its engines' GPUs is over a gpu_health threshold."""
+        return self.snapshot.get(name).gpu is not None
+
     def critical(self, name: str) -> bool:
         kv = self._kv(name)
         return kv is not None and kv >= self.params.kv_migrate_threshold
@@ -200,11 +212,13 @@ class _Judge:
     def has_room(self, name: str) -> bool:
         return self.can_take(name) and not self.over_share(name)
 
-    def must_leave(self, name: str) -> MigrationReason | None:
+    def must_leave(self, name: str, session: SessionView) -> MigrationReason | None:
         if not self.healthy(name):
             return "unhealthy"
         if self.critical(name):
             return "memory_pressure"
+        if session.leave is not None and self.gpu_hot(name):
+            return session.leave
         return None
 
 
@@ -449,7 +463,7 @@ def place(
 
     override = session.override
     if override is not None and override.expires_at > now and override.cluster in ranked:
-        reason = judge.must_leave(override.cluster)
+        reason = judge.must_leave(override.cluster, session)
         if reason is None:
             return Decision(
                 _placement(ranked, override.cluster, judge),
@@ -462,7 +476,7 @@ def place(
         return Decision(_placement(ranked, override.cluster, judge), "override")
 
     if session.seen:
-        reason = judge.must_leave(primary)
+        reason = judge.must_leave(primary, session)
         if reason is not None:
             moved = _migrate(ranked, among, tier, primary, reason, judge, now)
             if moved is not None:
@@ -504,45 +518,102 @@ def place_bounded(
     params: AffinityParams,
     within: int | None = None,
     shortcut: Shortcut | None = None,
+    gpu_hot: Collection[str] = (),
 ) -> Decision:
     """Bounded-load placement of new sessions with load-aware affinity off: an override is
-    followed (refreshed as in rule 2, never migrated); a new session whose hash primary is over
-    its share starts on the first healthy candidate in hash order within it ("spilled",
-    remembered); anything else keeps pure hashing's placement, ``hashed`` (the top two of
-    ``ranked``). With ``balance_factor`` 0 nothing is ever spilled.
+    followed (refreshed as in rule 2); a new session whose hash primary is over its share, or
+    whose GPUs are over a gpu_health threshold, starts on the first healthy candidate in hash
+    order within its share and not hot ("spilled", remembered); anything else keeps pure
+    hashing's placement, ``hashed`` (the top two of ``ranked``). With ``balance_factor`` 0 and
+    no hot GPU nothing is ever spilled.
 
-    ``ranked`` (the candidates in hash order) and ``loads`` (health and the recent-placement
-    counts) are asked for only when a new session is judged: ranking every candidate and
-    building the snapshot cost more than the rest of the decision, and most requests are later
-    turns. ``candidates``: the same clusters, for the override's membership. ``within``: spill
-    among (and take the mean over) the first ``within`` candidates only (a LoRA adapter's
-    clusters that have it loaded, extproc.core.models.Candidates). ``shortcut``: cheaper views
-    of the same inputs (:class:`Shortcut`): a new session is judged from them without ranking
-    every candidate or building the snapshot where they settle it, and by ``ranked`` and
-    ``loads`` otherwise. Only verdicts that float rounding cannot flip are taken from them
-    (:func:`share_verdict`), so the decision is the same as without them."""
+    An existing session moves only when relief picked it (``session.leave``: among the least
+    active of a cluster whose GPUs stay over a threshold, extproc.core.relief) and that
+    cluster is still hot: to the first other candidate that is healthy and not hot ("migrated",
+    remembered), or nowhere when there is none.
+
+    ``ranked`` (the candidates in hash order) and ``loads`` (health, the recent-placement
+    counts and the GPU verdicts) are asked for only when a new session is judged or a session
+    moves: ranking every candidate and building the snapshot cost more than the rest of the
+    decision, and most requests are later turns. ``candidates``: the same clusters, for the
+    override's membership. ``within``: spill among (and take the mean over) the first
+    ``within`` candidates only (a LoRA adapter's clusters that have it loaded,
+    extproc.core.models.Candidates). ``gpu_hot``: the clusters whose GPUs are over a threshold
+    now (usually none; the snapshot says the same of each). ``shortcut``: cheaper views of the
+    same inputs (:class:`Shortcut`), used while no GPU is hot: a new session is judged from
+    them without ranking every candidate or building the snapshot where they settle it, and by
+    ``ranked`` and ``loads`` otherwise. Only verdicts that float rounding cannot flip are taken
+    from them (:func:`share_verdict`), so the decision is the same as without them."""
     override = session.override
-    if override is not None and override.expires_at > now and override.cluster in candidates:
-        chosen = override.cluster
+    followed = override is not None and override.expires_at > now and override.cluster in candidates
+    if followed or session.seen:
+        current = override.cluster if followed and override is not None else hashed.primary
+        if session.leave is not None and current in gpu_hot:
+            moved = _relieved(current, session.leave, ranked, loads, now, params, within)
+            if moved is not None:
+                return moved
+        if not followed or override is None:
+            return Decision(hashed, "primary")
         # Pure hashing's failover rule (the first other candidate in hash order).
-        secondary = hashed.secondary if chosen == hashed.primary else hashed.primary
-        return Decision(Placement(chosen, secondary), "override", _refreshed(override, now, params))
-    if session.seen or params.balance_factor <= 0:
+        secondary = hashed.secondary if current == hashed.primary else hashed.primary
+        return Decision(
+            Placement(current, secondary), "override", _refreshed(override, now, params)
+        )
+    if params.balance_factor <= 0 and hashed.primary not in gpu_hot:
         return Decision(hashed, "primary")
-    if shortcut is not None:
+    # The shortcut knows nothing of GPUs: while one is hot, a spill's target is searched exactly.
+    if shortcut is not None and not gpu_hot:
         quick = _bounded_by_shortcut(hashed, shortcut, now, params, within)
         if quick is not None:
             return quick
     order = ranked()
     among = order[:within] if within else order
     judge = _judge(among, loads(), now, params)
-    if not judge.over_share(hashed.primary):
+
+    def open_to_new(name: str) -> bool:
+        return judge.healthy(name) and not judge.gpu_hot(name)
+
+    primary = hashed.primary
+    if not judge.gpu_hot(primary) and not judge.over_share(primary):
         return Decision(hashed, "primary")
-    target = _first(among, lambda n: judge.healthy(n) and not judge.over_share(n))
-    if target is None or target == hashed.primary:
+    target = _first(among, lambda n: open_to_new(n) and not judge.over_share(n))
+    if target is None and judge.gpu_hot(primary):
+        # Over its share is a reason to prefer another cluster, a hot GPU a reason to avoid
+        # one: with no cluster within its share, the first that is not hot.
+        target = _first(among, open_to_new)
+    if target is None or target == primary:
         return Decision(hashed, "primary")
     return Decision(
         _placement(order, target, judge),
         "spilled",
         Override(target, now + params.override_ttl_s),
+    )
+
+
+def _relieved(
+    current: str,
+    reason: MigrationReason,
+    ranked: Callable[[], Sequence[str]],
+    loads: Callable[[], FleetSnapshot],
+    now: float,
+    params: AffinityParams,
+    within: int | None,
+) -> Decision | None:
+    """place_bounded's move of a session relief picked off ``current``: to the first other
+    candidate (of the adapter's loaded ones, when ``within``) that is healthy and not hot,
+    whatever its share (as :func:`_migrate`: the bound places new sessions only)."""
+    order = ranked()
+    among = order[:within] if within else order
+    judge = _judge(among, loads(), now, params)
+    if not judge.gpu_hot(current):
+        return None
+    target = _first(among, lambda n: judge.healthy(n) and not judge.gpu_hot(n), current)
+    if target is None:
+        return None
+    return Decision(
+        _placement(order, target, judge),
+        "migrated",
+        Override(target, now + params.override_ttl_s),
+        migrated_from=current,
+        migration_reason=reason,
     )

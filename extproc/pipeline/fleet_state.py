@@ -47,6 +47,7 @@ from extproc.core.response_links import Link, link_name, make_link, read_link
 from extproc.ledger.redis_client import UNAVAILABLE, AnyRedis, any_client
 from extproc.ledger.redis_health import PROBE_INTERVAL_S, RedisHealth
 from extproc.pipeline.metrics import Metrics
+from extproc.pipeline.relief import ReliefTable
 
 log = logging.getLogger("extproc.affinity")
 
@@ -229,6 +230,12 @@ class LoadTable:
     def gpu_reason(self, cluster: str, now: float) -> str | None:
         found = self._gpu.get(cluster)
         return found[0] if found is not None and now < found[1] else None
+
+    def gpu_hot(self, now: float) -> frozenset[str]:
+        """The clusters with a fresh GPU verdict at ``now`` (usually none)."""
+        if not self._gpu:
+            return frozenset()
+        return frozenset(c for c, (_reason, until) in self._gpu.items() if now < until)
 
     def mark_failing(self, cluster: str, until: float) -> None:
         self._failing_until[cluster] = max(until, self._failing_until.get(cluster, until))
@@ -442,6 +449,8 @@ class FleetState:
         self.load = LoadTable()
         self.memory = SessionMemory(max_sessions)
         self.links = LinkMemory(max_sessions)
+        # Which sessions each cluster holds, for GPU health's relief (gpu_health only).
+        self.relief = ReliefTable(max_sessions)
         self.shared = shared
         # The service passes the ledger's tracker: one view of one Redis.
         self.health = health or RedisHealth()
@@ -609,6 +618,8 @@ class FleetState:
         """The GPU scraper's verdict on a cluster (extproc.pipeline.gpu_scraper), on the
         pipeline's clock."""
         self.load.record_gpu(cluster, reason, until)
+        if reason is None:
+            self.relief.cooled(cluster)
 
     def scraped(self, cluster: str, report: LoadReport | None, at: float) -> None:
         """The engine scraper's view of a cluster (extproc.pipeline.engine_scraper); None when

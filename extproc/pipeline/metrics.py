@@ -111,7 +111,9 @@ class Metrics:
         self.migrations = Counter(
             "fleet_migrations",
             "Existing sessions moved off the cluster holding their KV cache: each costs one"
-            " re-prefill on the new cluster. By reason (unhealthy, memory_pressure).",
+            " re-prefill on the new cluster. By reason (unhealthy, memory_pressure; gpu_memory,"
+            " gpu_temperature, gpu_slowdown: among the least active of a cluster whose GPUs"
+            " stay over a gpu_health threshold).",
             ["reason"],
             registry=registry,
         )

@@ -24,7 +24,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
 from random import Random
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote
 
 import orjson
@@ -35,6 +35,7 @@ from extproc.core.admission import Admitted, Reject, TenantClaim, request_tokens
 from extproc.core.affinity import (
     Decision,
     Kind,
+    MigrationReason,
     Override,
     RecentShare,
     SessionView,
@@ -253,6 +254,7 @@ class Pipeline:
         self._tenant_metrics.configure(runtime.flow.tenant_metrics_top)
         # The session memory trims to a lower bound on its next writes.
         self.fleet.memory.max_sessions = runtime.max_sessions
+        self.fleet.relief.max_sessions = runtime.max_sessions
 
     def use_endpoint_health(self, endpoint_health: EndpointHealth | None) -> None:
         """The endpoint prober a reload started (or stopped): probing follows the config
@@ -424,11 +426,14 @@ class Pipeline:
                 # of the cluster that will serve it (affinity does the same through its load
                 # snapshot), and a P/D prefiller is chosen in that cluster's island.
                 route = self._around_unready(runtime, facts, route, record)
-            if runtime.affinity.balance_factor > 0 or (
-                runtime.flow.place_new_sessions and route.request_class.budget.enforced
+            if (
+                runtime.affinity.balance_factor > 0
+                or runtime.gpu_relief is not None
+                or (runtime.flow.place_new_sessions and route.request_class.budget.enforced)
             ):
-                # Bounded-load placement of new sessions, and admission's placement (which
-                # needs to know new sessions from existing ones), both need later turns to
+                # Bounded-load placement of new sessions, GPU health (new sessions avoid a hot
+                # cluster, its least active sessions leave), and admission's placement (which
+                # needs to know new sessions from existing ones) all need later turns to
                 # follow a placement: the session memory, without affinity.
                 route, kind, view = await self._follow_override(runtime, facts, route, now, record)
         prefill = self._choose_prefill(runtime, facts, route, now)
@@ -996,6 +1001,10 @@ class Pipeline:
         with trace_phase("session_lookup"):
             view = await fleet.view(facts, hashed.primary, now, params, record=record, hot=False)
         balance = params.balance_half_life_s if params.balance_factor > 0 else None
+        gpu_hot: frozenset[str] = frozenset()
+        if runtime.gpu_relief is not None:
+            gpu_hot = fleet.load.gpu_hot(now)
+            view = self._relief_view(runtime, facts, view, hashed.primary, now, record)
         ranked: list[str] = []
 
         def order() -> list[str]:
@@ -1013,7 +1022,7 @@ class Pipeline:
         if balance is not None and self._share_totals and not view.seen:
             shortcut = self._shortcut(runtime, placer, point, now, balance, within)
         decision = place_bounded(
-            hashed, placer.names, order, loads, view, now, params, within, shortcut
+            hashed, placer.names, order, loads, view, now, params, within, shortcut, gpu_hot
         )
         if decision.kind != "primary":
             # Otherwise the hash placement stands (moved off an unready primary already).
@@ -1021,6 +1030,7 @@ class Pipeline:
         if record:
             if balance is not None:
                 fleet.load.placed(route.placement.primary, now, balance)
+            self._moved(runtime, facts, decision, route.placement.primary, now)
             await fleet.remember(facts, decision, now)
         return route, decision.kind, view
 
@@ -1079,6 +1089,8 @@ class Pipeline:
             self._decisions += 1
         with trace_phase("session_lookup"):
             view = await fleet.view(facts, ranked[0], now, params, salt, record=record)
+        if runtime.gpu_relief is not None:
+            view = self._relief_view(runtime, facts, view, ranked[0], now, record)
         balance = params.balance_half_life_s if params.balance_factor > 0 else None
         snapshot = fleet.load.snapshot(ranked, now, self._ready_clusters(runtime), balance)
         # A LoRA adapter's spills, hot-key spreading and moves stay among the clusters that
@@ -1088,11 +1100,52 @@ class Pipeline:
         if record:
             if balance is not None:
                 fleet.load.placed(decision.placement.primary, now, balance)
-            if decision.migration_reason is not None:
-                # The session leaves the cluster holding its cache: one re-prefill on the new one.
-                self._metrics.migrations.labels(decision.migration_reason).inc()
+            self._moved(runtime, facts, decision, decision.placement.primary, now)
             await fleet.remember(facts, decision, now)
         return decision, view
+
+    def _relief_view(
+        self,
+        runtime: Runtime,
+        facts: RequestFacts,
+        view: SessionView,
+        hash_primary: str,
+        now: float,
+        record: bool,
+    ) -> SessionView:
+        """The session view with ``leave`` set when relief picks this session off the cluster
+        it is on (its override's, else its hash primary), whose GPUs are over a threshold
+        (extproc.core.relief); a cluster found cool ends its spell."""
+        relief = runtime.gpu_relief
+        override = view.override
+        if relief is None or not (view.seen or override is not None):
+            return view
+        current = (
+            override.cluster if override is not None and override.expires_at > now else hash_primary
+        )
+        table = self.fleet.relief
+        reason = self.fleet.load.gpu_reason(current, now)
+        if reason is None:
+            if record and table.in_spell(current):
+                table.cooled(current)
+            return view
+        ttl = runtime.affinity.new_session_ttl_s
+        key = facts.session.digest
+        if not table.leaves(current, key, "hot", now, ttl, relief, record=record):
+            return view
+        return dataclasses.replace(view, leave=cast(MigrationReason, reason))
+
+    def _moved(
+        self, runtime: Runtime, facts: RequestFacts, decision: Decision, cluster: str, now: float
+    ) -> None:
+        """Count a migration, and (GPU health) the session on the cluster it was routed to."""
+        if decision.migration_reason is not None:
+            # The session leaves the cluster holding its cache: one re-prefill on the new one.
+            self._metrics.migrations.labels(decision.migration_reason).inc()
+        relief = runtime.gpu_relief
+        if relief is not None:
+            ttl = runtime.affinity.new_session_ttl_s
+            self.fleet.relief.seen(cluster, facts.session.digest, now, ttl, relief)
 
     def _endpoints(
         self, runtime: Runtime, facts: RequestFacts, route: Route

@@ -1,0 +1,111 @@
+"""The shell's side of relief (extproc.core.relief): which sessions each cluster holds, how
+active each is, and the rounds of a cluster's current pressured spell.
+
+Kept per replica, in memory: a session is counted on the cluster this replica last routed it
+to, with its last-seen instant and decayed request count; one not seen within
+``affinity.new_session_ttl_s`` is dropped (its next request is a new session, which avoids the
+pressured cluster anyway). The total is bounded by ``affinity.max_sessions``. Several replicas
+each move the least active of the sessions they see; the override a move writes is shared
+through Redis when configured, as any other.
+
+A spell starts at the first request that finds its cluster pressured and ends at the first one
+that finds it fine (or when the GPU scraper clears the verdict): a cluster that cools down and
+heats up again starts its rounds over.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from extproc.core.relief import Pressure, ReliefParams, SessionActivity, rounds_due, to_move
+
+
+@dataclass(slots=True)
+class _Spell:
+    since: float
+    rounds: int = 0
+    movers: set[bytes] = field(default_factory=set)
+
+
+class ReliefTable:
+    def __init__(self, max_sessions: int) -> None:
+        self.max_sessions = max_sessions
+        self._where: dict[bytes, str] = {}
+        # cluster -> its sessions in last-seen order (the stale ones collect at the front)
+        self._held: dict[str, OrderedDict[bytes, SessionActivity]] = {}
+        self._spells: dict[str, _Spell] = {}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def held(self, cluster: str) -> int:
+        return len(self._held.get(cluster, ()))
+
+    def seen(
+        self, cluster: str, key: bytes, now: float, ttl_s: float, params: ReliefParams
+    ) -> None:
+        """A request of session ``key`` was routed to ``cluster`` at ``now``."""
+        before = self._where.get(key)
+        found = None
+        if before is not None:
+            sessions = self._held[before]
+            found = sessions.pop(key)
+            if before != cluster:
+                spell = self._spells.get(before)
+                if spell is not None:
+                    spell.movers.discard(key)
+        activity = (
+            SessionActivity(key, now, 1.0)
+            if found is None or now - found.last_seen > ttl_s
+            else found.seen_again(now, params.move_after_s)
+        )
+        sessions = self._held.setdefault(cluster, OrderedDict())
+        sessions[key] = activity
+        self._where[key] = cluster
+        while sessions:
+            oldest_key, oldest = next(iter(sessions.items()))
+            if len(self._where) <= self.max_sessions and now - oldest.last_seen <= ttl_s:
+                break
+            del sessions[oldest_key]
+            del self._where[oldest_key]
+
+    def leaves(
+        self,
+        cluster: str,
+        key: bytes,
+        level: Pressure,
+        now: float,
+        ttl_s: float,
+        params: ReliefParams,
+        *,
+        record: bool = True,
+    ) -> bool:
+        """Whether session ``key`` leaves ``cluster`` (pressured at ``level`` now) on this
+        request. Runs the rounds the spell has earned since the last ask; ``record=False``
+        previews the answer without starting a spell or marking anyone."""
+        spell = self._spells.get(cluster)
+        if spell is None:
+            spell = _Spell(now)
+            if record:
+                self._spells[cluster] = spell
+        due = rounds_due(spell.since, now, params)
+        if due <= spell.rounds:
+            return key in spell.movers
+        sessions = self._held.get(cluster, OrderedDict())
+        left = (
+            a for k, a in sessions.items() if k not in spell.movers and now - a.last_seen <= ttl_s
+        )
+        marked = to_move(left, level, due - spell.rounds, now, params)
+        if record:
+            spell.movers |= marked
+            spell.rounds = due
+            return key in spell.movers
+        return key in spell.movers or key in marked
+
+    def cooled(self, cluster: str) -> None:
+        """``cluster`` is no longer pressured: its spell ends."""
+        self._spells.pop(cluster, None)
+
+    def in_spell(self, cluster: str) -> bool:
+        return cluster in self._spells
