@@ -39,13 +39,14 @@ The rules, first match wins:
    are never spread: such a key is one conversation whose every turn extends the last one's
    prefix, so spreading it would cost a re-prefill on almost every turn.
 2. **Override**: the session was placed off its hash primary before; it follows that choice
-   (its cache is there) unless that cluster is now unhealthy or critical, in which case it
-   migrates (rule 3's target search). An override in use is refreshed (sliding TTL, see
-   ``_refreshed``), so an active session keeps its cache and an idle one drifts back to the
-   hash once its override expires.
+   (its cache is there) unless that cluster is now unhealthy or critical, or relief picked it
+   (below), in which case it migrates (rule 3's target search). An override in use is
+   refreshed (sliding TTL, see ``_refreshed``), so an active session keeps its cache and an
+   idle one drifts back to the hash once its override expires.
 3. **Existing session** (seen within ``new_session_ttl_s``): stays on its hash primary while the
    primary is merely busy (saturated or pressured; the class budget answers with 429 and retry
-   hints), and migrates only when the primary is unhealthy or critical: to the first candidate
+   hints), and migrates only when the primary is unhealthy or critical, or relief picked it
+   (below): to the first candidate
    in hash order that is usable and not saturated, whatever its share (else the first healthy
    one that is not pressured). That costs one
    re-prefill, which the shell counts; the target is remembered so later turns follow.
@@ -64,11 +65,23 @@ rules among its loaded clusters while one of them is healthy: a spill, a hot key
 migration there never lands on a cluster that would load the adapter first. Only when none of
 them is healthy (failover) do the rules run over every candidate of its base model.
 
+**Relief** (``SessionView.leave``, GPU health only): a cluster whose GPUs stay over a
+``gpu_health`` threshold is relieved in rounds, least active sessions first
+(extproc.core.relief: once it has stayed hot for ``move_after_ms``, ``move_fraction`` of the
+sessions it holds, the ones with the fewest recent requests, and again each further
+``move_after_ms``; at least one always stays). The shell marks a picked session's view with
+the GPU verdict, and rules 2 and 3 migrate it while its cluster is still hot, with that verdict
+as the migration's reason (``gpu_memory``, ``gpu_temperature``, ``gpu_slowdown``). The most
+active sessions keep their cache: a quiet session's cache is the first an engine evicts anyway.
+
 Without load-aware affinity (``enabled: false``, the product default) the shell asks
-:func:`place_bounded` instead: rule 2 without migrations, then rule 4 judged on the share bound
-alone. No load report, in-flight count or hot-key rate is read there (they ride on the response
-phase, which affinity alone asks Envoy for), so the only states are *healthy* (probed clusters)
-and *over its share*; the placement counts are the processor's own.
+:func:`place_bounded` instead: rule 2 with relief's migrations only, then rule 4 judged on the
+share bound and the GPU verdicts. No load report, in-flight count or hot-key rate is read there
+(they ride on the response phase, which affinity alone asks Envoy for), so the only states are
+*healthy* (probed clusters), *GPU-hot* (the GPU scraper's verdicts, which come from the DCGM
+exporters, not from responses) and *over its share*; the placement counts are the processor's
+own. A GPU-hot cluster is treated as an unhealthy one for new sessions only: no new session
+starts there, and the sessions it holds stay unless relief picks them.
 
 The secondary (Envoy's failover target) is always the first other candidate in hash order that
 is healthy and not pressured, or simply the next one when none is: with a quiet fleet that is
