@@ -15,9 +15,9 @@ Prometheus text format. The fields read, as its counters file names them:
   slowed, not idle or power-capped by policy).
 
 An engine over a threshold (memory fraction, temperature, a slowdown bit) is *hot*: its cluster
-counts as pressured, as at ``kv_pressure_threshold`` KV use (extproc.core.affinity): no new
-session starts there, the sessions it holds stay (their caches are there) unless it also fails
-or its KV use is critical.
+takes no new session (extproc.core.affinity, with affinity on or off), and the sessions it
+holds stay (their caches are there) unless it stays hot, when its least active ones move first
+(extproc.core.relief), or it fails, or its KV use is critical.
 """
 
 from __future__ import annotations
