@@ -19,7 +19,7 @@ of the rounds), ties broken by the older last request.
 Why bounded: moving every session at once would carry the whole load to the next cluster in one
 step (and could make it hot in turn); a round moves a fraction, and the next round waits to see
 whether that was enough. A round always keeps at least one session: relief never empties a
-cluster, since moving its last session only moves its heat elsewhere.
+cluster, since moving the one session it has left only moves its heat elsewhere.
 
 At ``critical`` (KV use at ``kv_migrate_threshold``: the engine preempts and evicts anyway,
 extproc.core.affinity's rule 3) every session leaves, the least active first in the order.

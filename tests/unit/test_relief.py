@@ -116,7 +116,7 @@ def test_the_table_marks_the_least_active_once_a_spell_has_lasted() -> None:
     assert table.leaves("c1", b"quiet", "hot", 15.0, 600.0, RELIEF, record=False)
     assert table.leaves("c1", b"quiet", "hot", 15.0, 600.0, RELIEF)
     assert not table.leaves("c1", b"busy", "hot", 15.0, 600.0, RELIEF)
-    # Later rounds never take the last session left unmarked.
+    # Later rounds never take the one session left unmarked.
     assert not table.leaves("c1", b"busy", "hot", 95.0, 600.0, RELIEF)
     # The quiet one moved: it is c2's now and no longer marked anywhere.
     table.seen("c2", b"quiet", 16.0, 600.0, RELIEF)
