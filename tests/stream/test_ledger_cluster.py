@@ -23,7 +23,7 @@ from extproc.ledger.waiters import listen_for_releases
 from extproc.pipeline.fleet_state import PROBE_INTERVAL_S, FleetState, RedisSessions
 from extproc.pipeline.metrics import Metrics
 from tests.stream.test_fleet_state import PARAMS, SECRET, facts
-from tests.stream.test_ledger_redis import gate_for, request, runtime, sample
+from tests.stream.test_ledger_redis import HANG_S, gate_for, request, runtime, sample
 from tests.support.redis_server import RedisClusterServers, command
 
 
@@ -65,6 +65,16 @@ async def test_release_notices_reach_waiters_through_a_cluster(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await ledger.close()
+
+
+def redis_errors(registry: CollectorRegistry) -> float:
+    """Failed or timed-out Redis ledger calls, all operations together."""
+    return sum(
+        s.value
+        for metric in registry.collect()
+        for s in metric.samples
+        if s.name == "fleet_ledger_redis_errors_total"
+    )
 
 
 async def usage(url: str, cluster: str, limits: Budget) -> tuple[int, int]:
@@ -161,7 +171,7 @@ async def test_primary_failover_recovers_the_budget_and_leaks_nothing(
     name = route.placement.primary
     limits = route.request_class.budget.resolved()
     held: list[Ticket] = []
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_S
     while len(held) < 3:
         out = await gate.admit(facts, route)
         assert isinstance(out, Admitted)
@@ -173,25 +183,23 @@ async def test_primary_failover_recovers_the_budget_and_leaks_nothing(
             await asyncio.sleep(0.25)
 
     victim = cluster.primary_for(compartment_keys("fleet", name, "short", one_slot=True)[0])
+    errors_before = redis_errors(registry)
     cluster.node(victim).kill()
     killed = time.monotonic()
     stores: list[str] = []
     # Admissions keep being answered (locally while the shard has no primary) and go back
-    # to the shared budget once the replica has taken over.
-    while True:
-        started = time.monotonic()
-        out = await gate.admit(facts, route)
-        assert time.monotonic() - started < 2.0
+    # to the shared budget once the replica has taken over: answered from memory first, then
+    # from Redis again. Each admit and the whole wait are bounded against a hang only.
+    while "memory" not in stores or stores[-1] != "redis":
+        out = await asyncio.wait_for(gate.admit(facts, route), HANG_S)
         if isinstance(out, Admitted):
             stores.append(out.ticket.store)
             await gate.release(out.ticket)
-            if out.ticket.store == "redis" and time.monotonic() - killed > 0.5:
-                break
-        assert time.monotonic() - killed < 30, "the cluster never served the budget again"
+        assert time.monotonic() - killed < HANG_S, ("never served the budget again", stores)
         await asyncio.sleep(0.05)
-    recovered_after = time.monotonic() - killed
-    assert "memory" in stores and stores[-1] == "redis"
-    assert recovered_after < 30
+    # The answers from memory were the gate's fallback on failed Redis calls (the dead
+    # primary), not a gate that stopped asking.
+    assert redis_errors(registry) > errors_before
     cluster.wait_ok()
 
     # The three leases taken before the kill survived on the promoted replica (or lapsed:
@@ -203,7 +211,9 @@ async def test_primary_failover_recovers_the_budget_and_leaks_nothing(
     assert (
         sample(registry, "fleet_budget_inflight_requests", cluster=name, request_class="short") == 0
     )
-    deadline = time.monotonic() + ttl + 2.0
+    # What is left in Redis (a lease the failover left behind) lapses after the TTL: waited
+    # for, bounded against a hang only.
+    deadline = time.monotonic() + ttl + HANG_S
     while await usage(cluster.url, name, limits) != (0, 0) or gate.unsettled:
         assert time.monotonic() < deadline, "a lease outlived its TTL after the failover"
         await asyncio.sleep(0.1)

@@ -1,8 +1,10 @@
 """Fault matrix of the budget ledger: two gateway replicas (two AdmissionGates) share one real
 redis-server while clients hold and release admissions; a fault hits Redis or a replica
 mid-run. After each fault: no request is lost (every admit answers), the requests held at
-once never exceed the budget by more than the stated bound, and once traffic stops every
-in-flight gauge and the Redis compartment return to 0 within the lease TTL.
+once never exceed the budget by more than the stated bound, admissions go back to the shared
+budget, and once traffic stops every in-flight gauge and the Redis compartment return to 0.
+No assertion is on how long any of it took: the waits are bounded only against a hang
+(``HANG_S``), and how long recovery took is a figure of the printed table, not a verdict.
 
 CI runs a short version of each row. The full run prints the RELIABILITY.md table:
 
@@ -38,9 +40,10 @@ from extproc.core.admission import Admitted, Reject
 from extproc.core.fleet import Budget
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.gate import AdmissionGate
-from extproc.ledger.redis import compartment_keys
+from extproc.ledger.redis import RedisLedger, compartment_keys
 from tests.stream.test_ledger_redis import (
     CHILD,
+    HANG_S,
     Reachable,
     compartment,
     fleet_doc,
@@ -54,6 +57,8 @@ BUDGET = 8
 REPLICAS = 2
 LEASE_TTL_S = 3.0
 OVER_BOUND = BUDGET  # 1 x budget, see the module docstring
+# Requests a short CI row makes at least (the run lasts until it has, and has recovered).
+MIN_REQUESTS = 50
 
 
 @dataclass
@@ -190,9 +195,10 @@ async def settle(
     registries: list[CollectorRegistry],
     cluster: str,
 ) -> tuple[int, int]:
-    """Wait (up to the lease TTL + slack) until nothing is held anywhere; what is left."""
+    """Wait until nothing is held anywhere (bounded against a hang only: a lease that is never
+    released nor renewed lapses after the lease TTL); what is left."""
     limits = Budget(max_concurrent=BUDGET)
-    deadline = time.monotonic() + LEASE_TTL_S + 2.0
+    deadline = time.monotonic() + LEASE_TTL_S + HANG_S
     left = (0, 0)
     while time.monotonic() < deadline:
         try:
@@ -229,6 +235,7 @@ async def run_fault(
     seconds: float,
     seed: int = 1,
     probe_interval_s: float = 0.2,
+    min_requests: int = MIN_REQUESTS,
 ) -> Row:
     rt = make_runtime(
         server.url,
@@ -258,8 +265,11 @@ async def run_fault(
     ended = time.monotonic()
     ended_ns = time.monotonic_ns()
     recovered = None
-    # Recovered: the first admission through the shared budget after the fault ended.
-    while time.monotonic() - ended < seconds:
+    # Recovered: the first admission through the shared budget after the fault ended (after
+    # the replica's promotion, for a cluster primary kill). Traffic runs for ``seconds`` and
+    # until it has recovered and made ``min_requests``: a slow machine runs longer, it does
+    # not fail; a gate that never goes back to Redis runs into HANG_S, and its row says inf.
+    while True:
         last = stats["last_redis_admit_ns"]
         if recovered is None and last > ended_ns:
             recovered = (last - ended_ns) / 1e9
@@ -267,6 +277,17 @@ async def run_fault(
         first = stats["first_redis_admit_after_promotion_ns"]
         if promoted_ns is not None and not first and last > promoted_ns:
             stats["first_redis_admit_after_promotion_ns"] = last
+        promotion_seen = not hasattr(fault, "promoted_ns") or bool(
+            stats["first_redis_admit_after_promotion_ns"]
+        )
+        done = (
+            time.monotonic() - ended >= seconds
+            and recovered is not None
+            and promotion_seen
+            and stats["requests"] >= min_requests
+        )
+        if done or time.monotonic() - ended > seconds + HANG_S:
+            break
         await asyncio.sleep(0.02)
     stop.set()
     await asyncio.gather(*tasks)
@@ -293,15 +314,25 @@ async def run_fault(
     )
 
 
+async def lease_expiries(srv: Reachable, cluster: str) -> tuple[list[float], float]:
+    """The expiry (Redis TIME, s) of every lease the compartment holds, and Redis' clock read
+    after them."""
+    ledger = RedisLedger.from_url(srv.url, timeout_s=30.0)
+    try:
+        _state, leases, _tokens = compartment_keys("fleet", cluster, "short")
+        entries = await ledger.client.zrange(leases, 0, -1, withscores=True)
+        seconds, micros = await ledger.client.time()
+    finally:
+        await ledger.close()
+    return [float(score) for _member, score in entries], seconds + micros / 1e6
+
+
 async def run_replica_sigkill(server: RedisServer) -> Row:
-    """A replica holding 3 leases is SIGKILLed; the survivor sees the budget come back
-    within the lease TTL and never more than the budget admitted."""
-    doc = fleet_doc(
-        server.url, budget={"max_concurrent": BUDGET}, lease_ttl_s=LEASE_TTL_S, timeout_ms=500
-    )
-    rt = make_runtime(
-        server.url, budget={"max_concurrent": BUDGET}, lease_ttl_s=LEASE_TTL_S, timeout_ms=500
-    )
+    """A replica holding 3 leases is SIGKILLed; the survivor sees the budget come back once
+    the leases lapse and never more than the budget admitted."""
+    # fleet_doc's generous Redis timeout: every lease of the child goes through Redis.
+    doc = fleet_doc(server.url, budget={"max_concurrent": BUDGET}, lease_ttl_s=LEASE_TTL_S)
+    rt = make_runtime(server.url, budget={"max_concurrent": BUDGET}, lease_ttl_s=LEASE_TTL_S)
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-c", CHILD, json.dumps(doc), "3", stdout=asyncio.subprocess.PIPE
     )
@@ -314,10 +345,15 @@ async def run_replica_sigkill(server: RedisServer) -> Row:
     child.send_signal(signal.SIGKILL)
     await child.wait()
     killed = time.monotonic()
+    # The dead replica's leases are in Redis, each lapsing at most one lease TTL after Redis'
+    # clock now (the last renewal set it): a lease that never lapsed, or lapsed later than the
+    # TTL, would show here, whatever the machine's speed.
+    expiries, now = await lease_expiries(server, cluster)
+    assert len(expiries) == 3 and max(expiries) <= now + LEASE_TTL_S, (expiries, now)
     requests, peak = 0, 0
     held: list[Any] = []
     recovered = float("inf")
-    while time.monotonic() - killed < LEASE_TTL_S + 2.0:
+    while time.monotonic() - killed < LEASE_TTL_S + HANG_S:
         requests += 1
         out = await gate.admit(facts, route)
         if isinstance(out, Admitted):
@@ -352,11 +388,12 @@ def server() -> Iterator[RedisServer]:
 @pytest.mark.parametrize("name", list(FAULTS))
 async def test_budget_holds_through_the_fault(server: RedisServer, name: str) -> None:
     row = await run_fault(server, name, FAULTS[name], clients=24, seconds=2.0)
-    assert row.requests > 50
+    assert row.requests >= MIN_REQUESTS
     assert row.lost == 0
     assert row.max_over <= OVER_BOUND, row
     assert (row.leaked_requests, row.leaked_tokens) == (0, 0), row
-    assert row.recover_s < 5.0, row
+    # Admissions went back to the shared budget after the fault (inf: never, within HANG_S).
+    assert row.recover_s != float("inf"), row
 
 
 async def test_budget_holds_through_a_redis_cluster_primary_kill() -> None:
@@ -367,23 +404,24 @@ async def test_budget_holds_through_a_redis_cluster_primary_kill() -> None:
         row = await run_fault(
             cluster, CLUSTER_FAULT, KillClusterPrimary(), clients=24, seconds=10.0
         )
-    assert row.requests > 50
+    assert row.requests >= MIN_REQUESTS
     assert row.lost == 0
     assert row.max_over <= OVER_BOUND, row
     assert (row.leaked_requests, row.leaked_tokens) == (0, 0), row
-    # Promotion takes about 2-3 s with cluster-node-timeout 1 s; at load ~30 the first shared
-    # admission came 5-6 s after the kill (the 50 ms timeout fails most cluster calls there).
-    assert row.recover_s < 10.0, row
-    # The replica was seen promoted, and admissions went back to Redis after it.
+    # The replica was seen promoted, and admissions went back to Redis after it (how long
+    # that took is the printed figure; RELIABILITY.md has the full run's).
+    assert row.recover_s != float("inf"), row
     assert row.failover_s is not None and row.after_failover_s != float("inf"), row
     print(f"\nfailover {row.failover_s} s, shared admissions again {row.after_failover_s} s later")
 
 
-async def test_a_sigkilled_replica_gives_its_budget_back_within_the_ttl(
+async def test_a_sigkilled_replica_gives_its_budget_back_when_its_leases_lapse(
     server: RedisServer,
 ) -> None:
     row = await run_replica_sigkill(server)
-    assert row.recover_s <= LEASE_TTL_S + 1.5, row
+    # The whole budget came back (inf: not within the TTL + HANG_S), never more than it.
+    assert row.recover_s != float("inf"), row
+    assert row.max_over == 0, row
     assert (row.leaked_requests, row.leaked_tokens) == (0, 0), row
 
 
@@ -572,7 +610,7 @@ async def test_local_admissions_are_adopted_into_redis_when_it_answers_again(
     # The replica's share (4 / 2 replicas), in memory.
     assert len(local) == 2 and {t.store for t in local} == {"memory"}, outcomes
     await asyncio.to_thread(server.start)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_S
     while gate.held_locally and time.monotonic() < deadline:
         await gate.tick()  # the background loop's step: sees Redis up, adopts
         await asyncio.sleep(0.1)
@@ -612,8 +650,9 @@ async def test_a_request_released_during_adoption_leaves_nothing_in_redis(
     await asyncio.sleep(0)  # the reserve is sent ...
     assert gate.release_if_local(out.ticket)  # ... and the request ends meanwhile
     await adoption
-    for _ in range(100):  # the cancel of the copy runs in the background: up to ~5 s
-        if not gate.unsettled and await compartment(server, cluster, Budget()) == (0, 0):
+    deadline = time.monotonic() + HANG_S  # the cancel of the copy runs in the background
+    while gate.unsettled or await compartment(server, cluster, Budget()) != (0, 0):
+        if time.monotonic() > deadline:
             break
         await asyncio.sleep(0.05)
     assert await compartment(server, cluster, Budget()) == (0, 0)
