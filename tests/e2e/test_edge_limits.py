@@ -1,12 +1,13 @@
-"""Edge limits through a real Envoy: slow-upload clients fill the connection limit, yet normal
-requests keep being served within a bound.
+"""Edge limits through a real Envoy: slow clients fill the connection limit, yet normal requests
+keep being served.
 
 - the global downstream connection limit (overload manager) closes connections beyond it at
   accept, so slow clients cannot exhaust memory or file descriptors;
-- the request-receive timeouts (request_timeout, request_headers_timeout) end each slow upload,
-  which frees its connection: a new client is served within about that timeout;
-- a client on an established keep-alive connection is served throughout.
-Small values stand in for the defaults (10 000 connections, 120 s / 10 s).
+- a client on an established keep-alive connection is served while the edge is full;
+- the request-receive timeouts (request_timeout, request_headers_timeout) end each slow upload
+  (Envoy counts which timer did), which frees its connection for a new client.
+Small values stand in for the defaults (10 000 connections, 120 s / 10 s). Nothing is asserted
+on how fast: every wait is on a condition, bounded against a hang only.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import h2.config
 import h2.connection
@@ -33,12 +34,12 @@ CHAT = "/v1/chat/completions"
 MAX_CONNECTIONS = 8
 RECEIVE_TIMEOUT_S = 2.0
 HEADERS_TIMEOUT_S = 1.0
-# A normal request must never wait longer than this, even with the edge full of slow clients.
-SERVED_WITHIN_S = 1.0
-# A new connection is served once the slow uploads are cut: the receive timeout plus slack for
-# a loaded machine.
-NEW_CLIENT_WITHIN_S = RECEIVE_TIMEOUT_S + 3.0
 MAX_BODY_BYTES = 4 << 20
+# How long a step may take before the test calls it hung: generous, for a starved machine.
+HANG_S = 60.0
+# Envoy's counters of requests its receive timers ended (stat_prefix "ingress").
+BODY_TIMEOUTS = "http.ingress.downstream_rq_timeout"
+HEADER_TIMEOUTS = "http.ingress.downstream_rq_header_timeout"
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +72,9 @@ class SlowClient:
         self.sock = socket.create_connection((LOOPBACK, port), timeout=10)
         self.slow_headers = slow_headers
         self.answer = b""
-        self.closed_after: float | None = None
+        self.closed = threading.Event()  # Envoy ended the request (an answer, or a close)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._started = time.monotonic()
         self._thread.start()
 
     def _run(self) -> None:
@@ -99,9 +99,11 @@ class SlowClient:
                         break
                     self.answer += data
                     break
+            else:
+                return  # the whole request went out: no timer ended it
         except OSError:
             pass  # Envoy closed the connection: what the test waits for.
-        self.closed_after = time.monotonic() - self._started
+        self.closed.set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -124,60 +126,90 @@ def _connection_is_refused(port: int) -> bool:
             return False
 
 
+def _hold(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that send nothing: no receive timer starts before a request's first
+    byte, so they hold their place at the edge until they are closed."""
+    return [socket.create_connection((LOOPBACK, port), timeout=10) for _ in range(n)]
+
+
+def _fill_with(port: int, make: Callable[[], SlowClient]) -> SlowClient:
+    """A slow client that is seen holding the edge's last connection: a further connection was
+    refused while it was still open. A client whose timer ended it before that was seen (a
+    slow machine) is replaced by a new one."""
+    for _ in range(20):
+        client = make()
+        wait_until(
+            lambda c=client: c.closed.is_set() or _connection_is_refused(port),
+            HANG_S,
+            "the slow client to fill the edge",
+        )
+        if not client.closed.is_set():
+            return client
+        client.stop()
+    raise AssertionError("no slow client was ever seen holding the edge's last connection")
+
+
 def test_slow_clients_at_the_connection_limit_do_not_starve_normal_requests(
     edge: FleetStack,
 ) -> None:
     port = edge.listener_port
+    overflow = f"listener.127.0.0.1_{port}.downstream_global_cx_overflow"
     steady = Client(port)
-    # The steady client's keep-alive connection exists before the slow clients arrive.
+    # The steady client's keep-alive connection exists before the edge fills up.
     assert steady.post_json(CHAT, BODY)[0] == 200
-    overflow_before = edge.envoy_stat(f"listener.127.0.0.1_{port}.downstream_global_cx_overflow")
-    slow = [SlowClient(port, slow_headers=i % 2 == 0) for i in range(MAX_CONNECTIONS - 1)]
-    started = time.monotonic()
+    overflow_before = edge.envoy_stat(overflow)
+    holders = _hold(port, MAX_CONNECTIONS - 1)
+    slow: list[SlowClient] = []
     try:
-        # The edge is full: one more connection is closed at accept (polled: on a loaded
-        # machine Envoy may not have accepted every slow client yet).
-        wait_until(lambda: _connection_is_refused(port), 10, "the connection limit to refuse")
+        # The edge is full: one more connection is closed at accept, and Envoy counts it.
+        wait_until(lambda: _connection_is_refused(port), HANG_S, "the connection limit to refuse")
         wait_until(
-            lambda: (
-                edge.envoy_stat(f"listener.127.0.0.1_{port}.downstream_global_cx_overflow")
-                > overflow_before
-            ),
-            5,
+            lambda: edge.envoy_stat(overflow) > overflow_before,
+            HANG_S,
             "Envoy to count the refused connection",
         )
-        # The steady client is served, promptly, while the slow clients hold the rest.
+        # The steady client is served while the edge is full (the holders never leave: it is
+        # still full after each answer).
         for _ in range(5):
-            t0 = time.monotonic()
             status, _headers, _data = steady.post_json(CHAT, BODY)
             assert status == 200
-            assert time.monotonic() - t0 < SERVED_WITHIN_S
-            time.sleep(0.1)
-        # The receive timers end every slow request (408, or a close for slow headers), which
-        # frees the connections: a new client gets in within the bound.
-        served_new_at = None
-        while time.monotonic() - started < NEW_CLIENT_WITHIN_S:
-            fresh = Client(port, timeout=5)
-            try:
-                if fresh.post_json(CHAT, BODY)[0] == 200:
-                    served_new_at = time.monotonic() - started
-                    break
-            except OSError:
-                pass  # still full: Envoy closed it at accept
-            finally:
-                fresh.close()
-            time.sleep(0.1)
-        assert served_new_at is not None, [(c.closed_after, c.answer[:60]) for c in slow]
-        for client in slow:
-            assert client.closed_after is not None
-            assert client.closed_after < NEW_CLIENT_WITHIN_S, client.closed_after
+            assert _connection_is_refused(port), "the edge was not full"
+        # Each receive timer ends its slow request (a 408, or a close for slow headers),
+        # counted by Envoy as that timer's, and the place it frees takes a new client.
+        for slow_headers, counter in ((False, BODY_TIMEOUTS), (True, HEADER_TIMEOUTS)):
+            holders.pop().close()
+            before = edge.envoy_stat(counter)
+            client = _fill_with(port, lambda h=slow_headers: SlowClient(port, slow_headers=h))
+            slow.append(client)
+            assert client.closed.wait(HANG_S), "no receive timer ended the slow request"
             if client.answer:
                 assert client.answer.startswith(b"HTTP/1.1 408"), client.answer[:80]
-        print(f"\nnew client served {served_new_at:.2f}s after the edge filled up")
+            wait_until(lambda c=counter, b=before: edge.envoy_stat(c) > b, HANG_S, counter)
+            assert _served_on_a_new_connection(port), "the freed place took no new client"
+            holders += _hold(port, 1)  # full again for the next timer
+        assert steady.post_json(CHAT, BODY)[0] == 200
     finally:
         for client in slow:
             client.stop()
+        for sock in holders:
+            sock.close()
         steady.close()
+
+
+def _served_on_a_new_connection(port: int) -> bool:
+    """A new client is served (retried while the edge still refuses it, bounded by HANG_S)."""
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
+        fresh = Client(port, timeout=HANG_S)
+        try:
+            if fresh.post_json(CHAT, BODY)[0] == 200:
+                return True
+        except OSError:
+            pass  # still full: Envoy closed it at accept
+        finally:
+            fresh.close()
+        time.sleep(0.1)
+    return False
 
 
 def _body_of_size(size: int) -> bytes:

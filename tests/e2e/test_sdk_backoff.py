@@ -1,8 +1,10 @@
 """The official ``openai`` and ``anthropic`` Python SDKs, with their default retry settings, as
 clients of a real Envoy + processor: a burst over a class's budget is answered with 429s whose
-hints the SDKs obey (they wait at least ``retry-after-ms`` before retrying) and every call
-succeeds once the burst has drained. A wait too long for an SDK to sleep through is answered
-with ``x-should-retry: false``: the SDK raises at once instead of retrying blindly.
+hints the SDKs obey (before each retry they sleep exactly ``retry-after-ms``, not their own
+backoff) and every call succeeds once the burst has drained. A wait too long for an SDK to
+sleep through is answered with ``x-should-retry: false``: the SDK raises without sleeping
+instead of retrying blindly. What the SDKs sleep is recorded from their own ``time.sleep``
+call (which still sleeps), not timed: a loaded machine cannot change it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,7 +20,9 @@ from datetime import datetime
 from typing import Any
 
 import anthropic
+import anthropic._base_client
 import openai
+import openai._base_client
 import pytest
 
 from extproc.harness.launch import FleetStack
@@ -37,24 +42,29 @@ BURST = 5
 
 @dataclass
 class Exchange:
-    at: float
     method: str
     status: int = 0
     headers: dict[str, str] | None = None
-    done: float = 0.0
+    # What the SDK slept after this exchange's response (None: it did not sleep).
+    slept_after: float | None = None
 
 
 class Wire:
-    """Every HTTP exchange an SDK made, via httpx event hooks on the SDK's default client."""
+    """Every HTTP exchange an SDK made, via httpx event hooks on the SDK's default client, and
+    every sleep of the SDK's retry loop, in order, per call. An SDK makes a call's requests and
+    sleeps on the calling thread, so a sleep belongs to the thread's last request."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.by_call: dict[str, list[Exchange]] = {}
+        self.sleeps: dict[str, list[float]] = {}
+        self._current = threading.local()
 
     def request(self, request: Any) -> None:
         call = request.headers.get("x-test-call", "?")
+        self._current.call = call
         with self.lock:
-            self.by_call.setdefault(call, []).append(Exchange(time.monotonic(), request.method))
+            self.by_call.setdefault(call, []).append(Exchange(request.method))
 
     def response(self, response: Any) -> None:
         call = response.request.headers.get("x-test-call", "?")
@@ -62,10 +72,33 @@ class Wire:
             last = self.by_call[call][-1]
             last.status = response.status_code
             last.headers = {k.lower(): v for k, v in response.headers.items()}
-            last.done = time.monotonic()
+
+    def slept(self, seconds: float) -> None:
+        call = getattr(self._current, "call", "?")
+        with self.lock:
+            self.sleeps.setdefault(call, []).append(seconds)
+            exchanges = self.by_call.get(call)
+            if exchanges:
+                exchanges[-1].slept_after = seconds
 
     def hooks(self) -> dict[str, list[Any]]:
         return {"request": [self.request], "response": [self.response]}
+
+
+def record_sdk_sleeps(monkeypatch: pytest.MonkeyPatch, wire: Wire) -> None:
+    """The SDKs' retry loops call ``time.sleep`` of their ``_base_client`` module: that module's
+    ``time`` is replaced by one whose ``sleep`` tells ``wire`` and then really sleeps."""
+
+    def sleep(seconds: float) -> None:
+        wire.slept(seconds)
+        time.sleep(seconds)
+
+    for module in (openai._base_client, anthropic._base_client):
+        assert module.time is time, module  # the SDK still sleeps through this module's time
+        recording = types.ModuleType("time")
+        recording.__dict__.update(vars(time))
+        recording.sleep = sleep
+        monkeypatch.setattr(module, "time", recording)
 
 
 @pytest.fixture(scope="module")
@@ -97,20 +130,23 @@ def anthropic_client(stack: FleetStack, wire: Wire) -> anthropic.Anthropic:
 
 
 def check_backoff(wire: Wire, stack: FleetStack) -> int:
-    """Every retry came no earlier than the hint of the 429 before it; every call ended 200.
-    Returns how many 429s were obeyed."""
+    """Before every retry the SDK slept exactly the hint of the 429 before it; every call
+    ended 200, after as many sleeps as retries. Returns how many 429s were obeyed."""
     obeyed = 0
     for call, exchanges in wire.by_call.items():
         assert exchanges[-1].status == 200, (call, [e.status for e in exchanges], dump_logs(stack))
-        for before, after in itertools.pairwise(exchanges):
+        assert exchanges[-1].slept_after is None, call
+        assert len(wire.sleeps.get(call, [])) == len(exchanges) - 1, (call, wire.sleeps)
+        for before, _after in itertools.pairwise(exchanges):
             assert before.status == 429 and before.headers is not None
             hint_s = int(before.headers["retry-after-ms"]) / 1000
             assert int(before.headers["retry-after"]) * 1000 == int(
                 before.headers["retry-after-ms"]
             )
             assert hint_s <= 60 and "x-should-retry" not in before.headers
-            # The SDK slept the hint (no retry-after: its own 0.5-8 s backoff would show).
-            assert after.at - before.done >= hint_s - 0.05, (call, hint_s, after.at - before.done)
+            # The SDK slept the hint, not its own jittered 0.5-8 s backoff (what it sleeps
+            # without a hint it honours).
+            assert before.slept_after == pytest.approx(hint_s), (call, hint_s, before.slept_after)
             obeyed += 1
     return obeyed
 
@@ -120,8 +156,11 @@ def burst(call: Callable[[int], str]) -> list[str]:
         return list(pool.map(call, range(BURST)))
 
 
-def test_openai_sdk_backs_off_on_our_hints_and_succeeds(stack: FleetStack) -> None:
+def test_openai_sdk_backs_off_on_our_hints_and_succeeds(
+    stack: FleetStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
     wire = Wire()
+    record_sdk_sleeps(monkeypatch, wire)
     with openai_client(stack, wire) as client:
 
         def call(i: int) -> str:
@@ -138,8 +177,11 @@ def test_openai_sdk_backs_off_on_our_hints_and_succeeds(stack: FleetStack) -> No
     assert check_backoff(wire, stack) >= 1, "the burst never exceeded the budget"
 
 
-def test_anthropic_sdk_backs_off_on_our_hints_and_succeeds(stack: FleetStack) -> None:
+def test_anthropic_sdk_backs_off_on_our_hints_and_succeeds(
+    stack: FleetStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
     wire = Wire()
+    record_sdk_sleeps(monkeypatch, wire)
     with anthropic_client(stack, wire) as client:
 
         def call(i: int) -> str:
@@ -168,8 +210,11 @@ def test_anthropic_sdk_backs_off_on_our_hints_and_succeeds(stack: FleetStack) ->
         assert reset.tzinfo is not None
 
 
-def test_a_wait_beyond_what_sdks_sleep_is_not_retried(stack: FleetStack) -> None:
+def test_a_wait_beyond_what_sdks_sleep_is_not_retried(
+    stack: FleetStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
     wire = Wire()
+    record_sdk_sleeps(monkeypatch, wire)
     big = "tool output line. " * 1800  # about 8000 estimated input tokens: the long class
     with openai_client(stack, wire) as client:
 
@@ -182,11 +227,9 @@ def test_a_wait_beyond_what_sdks_sleep_is_not_retried(stack: FleetStack) -> None
             )
 
         ask("drain")  # takes 8000 of the 10000-token bucket
-        started = time.monotonic()
         with pytest.raises(openai.RateLimitError) as raised:
             ask("refused")
-        elapsed = time.monotonic() - started
-    assert elapsed < 10, "the SDK slept instead of raising"
+    assert wire.sleeps.get("refused", []) == [], "the SDK slept instead of raising"
     assert len(wire.by_call["refused"]) == 1, "the SDK retried a wait it cannot sleep through"
     headers = raised.value.response.headers
     wait_s = int(headers["retry-after"])
