@@ -249,11 +249,16 @@ def server() -> Iterator[RedisServer]:
 
 
 async def wake_latency(
-    server: RedisServer | RedisClusterServers, poll_ms: int, rounds: int, timeout_ms: int = 1000
+    server: RedisServer | RedisClusterServers,
+    poll_ms: int,
+    rounds: int,
+    timeout_ms: int = 1000,
+    wait_s: float = 30.0,
+    admit_within_s: float = 10.0,
 ) -> tuple[list[float], dict[str, float]]:
     """Two replicas sharing one Redis ledger: a request waits on B, A releases; the time from
     A's release to B's admission, per round. ``poll_ms`` large = pub/sub alone."""
-    d = doc(wait_s=30.0)
+    d = doc(wait_s=wait_s)
     d["flow"]["redis_poll_ms"] = poll_ms
     # The gate waits up to 4 x timeout_ms at start for its release subscription.
     d["redis"] = {"timeout_ms": timeout_ms}
@@ -270,7 +275,7 @@ async def wake_latency(
             await wait_until(lambda: gate_b.waiters.depth("c1", "long") == 1)
             released = time.monotonic()
             await a.release(first.hold)
-            admitted = await asyncio.wait_for(waiting, timeout=10)
+            admitted = await asyncio.wait_for(waiting, timeout=admit_within_s)
             waits.append(time.monotonic() - released)
             assert isinstance(admitted, Routed) and admitted.hold.ticket is not None
             await b.release(admitted.hold)
@@ -288,10 +293,12 @@ async def wake_latency(
 
 
 async def test_replicas_sharing_redis_wake_waiters_fleet_wide(server: RedisServer) -> None:
-    # Polling every 30 s: any admission within the test's bound came from the release notice.
-    waits, counts = await wake_latency(server, poll_ms=30_000, rounds=5)
+    # Re-checking every hour, waiting up to ten minutes, each admission awaited a minute at
+    # most (against a hang): every admission came from the release notice, on any machine.
+    _waits, counts = await wake_latency(
+        server, poll_ms=3_600_000, rounds=5, wait_s=600.0, admit_within_s=60.0
+    )
     assert counts == {"admitted": 5, "timeout": 0}
-    assert max(waits) < 5.0, waits  # far below the 30 s poll: woken by pub/sub
 
 
 def notices_only(max_queue: int = 8) -> dict[str, Any]:
@@ -307,9 +314,16 @@ async def test_replicas_on_a_redis_cluster_wake_waiters_by_notices() -> None:
     # A release on any shard reaches the subscriber (Redis Cluster forwards every PUBLISH).
     with RedisClusterServers(masters=3, replicas=0) as cluster:
         # A cluster client first learns the slot map: allow a slow start on a loaded machine.
-        waits, counts = await wake_latency(cluster, poll_ms=30_000, rounds=3, timeout_ms=3000)
+        # Re-checking every hour: every admission came from the release notice.
+        _waits, counts = await wake_latency(
+            cluster,
+            poll_ms=3_600_000,
+            rounds=3,
+            timeout_ms=3000,
+            wait_s=600.0,
+            admit_within_s=60.0,
+        )
     assert counts == {"admitted": 3, "timeout": 0}
-    assert max(waits) < 5.0, waits  # far below the 30 s poll: woken by pub/sub
 
 
 async def two_replicas(
