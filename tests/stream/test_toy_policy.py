@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.config import compile_runtime, parse_config
-from extproc.core.admission import Reason, Reject, plan
+from extproc.core.admission import Reason, Reject, TenantClaim, plan
 from extproc.core.decide import Route
 from extproc.core.fleet import Budget
 from extproc.core.flow import WaitPolicy
@@ -41,11 +41,12 @@ def toy_step(limit: int, original: Callable[..., steps.Step]) -> Callable[..., s
         route: Route,
         elsewhere: Callable[[], Iterable[Route]] | None,
         wait: WaitPolicy,
+        tenant: TenantClaim | None = None,
     ) -> steps.Step:
         if tokens > limit and plan(tokens, route) is not None:
             cls, cluster = route.request_class.name, route.placement.primary
             return Reject(413, cls, cluster, TOY, Reason.EXCEEDS_BUDGET)
-        return (yield from original(tokens, route, elsewhere, wait))
+        return (yield from original(tokens, route, elsewhere, wait, tenant))
 
     return admission_step
 
