@@ -100,19 +100,21 @@ class LoadTable:
         self._recent: dict[str, tuple[float, float]] = {}
         # id(candidate names) -> their kept total (see share); the latest instant placed saw.
         self._totals: dict[int, _Total] = {}
+        # cluster -> the kept totals it is a member of: a placement touches only those.
+        self._member_of: dict[str, list[_Total]] = {}
         self._latest = float("-inf")
 
     def placed(self, cluster: str, now: float, half_life_s: float) -> None:
-        """Count one request placed on ``cluster`` (bounded-load placement's input)."""
+        """Count one request placed on ``cluster`` (bounded-load placement's input): every
+        request, a later turn as much as a new session's first, so the bound compares the
+        requests each cluster received recently. O(1) in the fleet's size: only the kept
+        totals ``cluster`` is a member of are brought up to date (usually one)."""
         count = self.recent(cluster, now, half_life_s) + 1.0
         self._recent[cluster] = (count, now)
         self._latest = max(self._latest, now)
-        for total in self._totals.values():
-            lane = total.lanes.get(cluster)
-            if lane is not None and total.counts is not None:
-                total.counts.set(lane, count, now)
-            if lane is None and total.half_life_s == half_life_s:
-                continue
+        for total in self._member_of.get(cluster, ()):
+            if total.counts is not None:
+                total.counts.set(total.lanes[cluster], count, now)
             value = total.value
             if (
                 value is None
@@ -127,6 +129,21 @@ class LoadTable:
             total.value = value * 2.0 ** (-(now - total.at) / half_life_s) + 1.0
             total.at = now
             total.updates += 1
+
+    def _keep(self, total: _Total) -> None:
+        if len(self._totals) >= MAX_TOTALS:
+            self._drop(self._totals[next(iter(self._totals))])
+        self._totals[id(total.names)] = total
+        for name in total.lanes:
+            self._member_of.setdefault(name, []).append(total)
+
+    def _drop(self, total: _Total) -> None:
+        del self._totals[id(total.names)]
+        for name in total.lanes:
+            held = self._member_of[name]
+            held.remove(total)
+            if not held:
+                del self._member_of[name]
 
     def share(
         self,
@@ -144,10 +161,10 @@ class LoadTable:
             return None
         total = self._totals.get(id(names))
         if total is None or total.names is not names or total.half_life_s != half_life_s:
-            if len(self._totals) >= MAX_TOTALS:
-                del self._totals[next(iter(self._totals))]
+            if total is not None:
+                self._drop(total)
             total = _Total(names, half_life_s)
-            self._totals[id(names)] = total
+            self._keep(total)
         failing = self._failing_until
         if failing and any(now < until and c in total.lanes for c, until in failing.items()):
             return None

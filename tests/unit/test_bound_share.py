@@ -25,7 +25,7 @@ from extproc.core.affinity import (
 from extproc.core.load import ClusterLoad, LoadReport
 from extproc.core.models import Candidates
 from extproc.core.placement import HEAD_MIN_CLUSTERS, Rendezvous
-from extproc.pipeline.fleet_state import RESYNC_UPDATES, LoadTable
+from extproc.pipeline.fleet_state import MAX_TOTALS, RESYNC_UPDATES, LoadTable
 
 HALF_LIFE = 60.0
 
@@ -187,6 +187,28 @@ def test_an_incrementally_kept_total_matches_the_exact_sum() -> None:
             exact = sum(load.recent(n, now, HALF_LIFE) for n in names)
             assert abs(known.total - exact) <= 1e-12 * exact
             assert known.recent == load.recent("c005", now, HALF_LIFE)
+
+
+def test_overlapping_and_evicted_lists_keep_exact_totals_through_placements() -> None:
+    """A placement brings up to date only the kept totals its cluster is a member of; every
+    list's total still equals its members' exact sum, through overlapping lists, more lists
+    than are kept (the oldest dropped and summed again when asked), and a new half-life."""
+    rng = random.Random(3)
+    clusters = [f"c{i}" for i in range(12)]
+    lists = [tuple(rng.sample(clusters, rng.randint(1, 12))) for _ in range(MAX_TOTALS + 8)]
+    load = LoadTable()
+    now, half_life = 0.0, HALF_LIFE
+    for step in range(3000):
+        now += rng.uniform(0.0, 0.5)
+        if step == 2000:
+            half_life = HALF_LIFE / 4
+        load.placed(rng.choice(clusters), now, half_life)
+        if step % 7 == 0:
+            names = rng.choice(lists)
+            known = load.share(names, names[0], now, None, half_life)
+            assert known is not None
+            exact = sum(load.recent(n, now, half_life) for n in names)
+            assert abs(known.total - exact) <= 1e-9 * max(exact, 1.0)
 
 
 def test_an_unhealthy_member_or_out_of_order_instants_leave_it_to_the_exact_path() -> None:
