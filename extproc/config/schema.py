@@ -740,14 +740,15 @@ class AffinityConfig(Strict):
         default=None,
         ge=0,
         description="Bounded-load placement of new sessions (applies with enabled false too): a "
-        "new session starts on the first hash candidate whose recent placements stay within "
-        "this factor x the mean; later turns follow. 0: off. Unset: 1.1 where later turns "
+        "new session starts on the first hash candidate whose recent requests (every request "
+        "placed there, later turns included) stay within this factor x the mean; later turns "
+        "follow. 0: off. Unset: 1.1 where later turns "
         "find the spill (one replica, or Redis), else off.",
     )
     balance_half_life_s: float = Field(
         default=60.0,
         gt=0,
-        description="Half-life of the placement counts balance_factor compares.",
+        description="Half-life of the request counts balance_factor compares.",
     )
     served_by_header: HeaderName | None = Field(
         default="x-served-by",
