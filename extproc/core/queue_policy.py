@@ -1,7 +1,7 @@
 """Flow control's wait-or-refuse policy: what happens to a request its budget just refused.
 
-Pure. The shell (extproc/ledger/gate.py for the live processor, extproc/sim/engine.py for the
-simulator) asks the ledger, counts the waiters ahead, and then follows these answers; it
+Pure. The shell (extproc/ledger/gate.py for the live processor, extproc/sim/admission.py for
+the simulator) asks the ledger, counts the waiters ahead, and then follows these answers; it
 decides nothing itself (ARCHITECTURE.md, "Flow control"):
 
 - :func:`queue_verdict`: join the (cluster, class) queue, or refuse now: the class does not

@@ -18,8 +18,8 @@ Three drivers run the same steps:
   it: every reservation is assumed to have room, nothing is written, nobody waits, so
   admission is previewed as far as it is pure (a 413 no budget could admit, a policy's own
   refusal);
-- the simulator's synchronous driver (extproc/sim/engine.py, ``run_policy``) over the in-memory
-  ledger on the simulated clock and its own fair queues.
+- the simulator's synchronous driver (extproc/sim/admission.py, run by extproc/sim/run.py)
+  over the in-memory ledger on the simulated clock and its own fair queues.
 
 So a change to the order of admission (what is tried, when a request waits) is made once,
 here, and all three follow; the policies themselves are pure functions of the core

@@ -11,8 +11,8 @@ topology labels and bandwidths, the disaggregated classes with their prefill bud
 compiled by the processor's own compiler (``extproc.config.runtime.pd_plan``), so the prefill
 choice the engine asks for per request is ``PdPlan.choose``, the call the pipeline makes
 (``Pipeline._choose_prefill``), and its prefill budget the class ``PdPlan.prefill_classes``
-gives the pipeline's ``_admit_prefill``. The engine (``sim/engine.py``) runs the request:
-prefill on the prefill cluster's lanes, then the uncached KV over the pair's link
+gives the pipeline's ``_admit_prefill``. The loop (``sim/run.py``, ``sim/prefill.py``) runs
+the request: prefill on the prefill cluster's lanes, then the uncached KV over the pair's link
 (``Topology.bandwidth`` of their relation), then decode on the decode cluster without touching
 its prefill lanes (``ClusterState.serve_remote``).
 """
