@@ -77,6 +77,16 @@ def parse_policies(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    _workload_arguments(parser)
+    _fleet_arguments(parser)
+    _events_arguments(parser)
+    _pd_arguments(parser)
+    _admission_arguments(parser)
+    _run_arguments(parser)
+
+
+def _workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The traffic: a trace, the synthetic workload or a layout, and its size."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace")
     source.add_argument("--workload", choices=["synthetic"], help="built-in synthetic workload")
@@ -110,6 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="refuse runs estimated above this (default: half of physical memory)",
     )
 
+
+def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    """The simulated clusters and their engines."""
     fleet = parser.add_argument_group("fleet")
     fleet.add_argument("--clusters", type=int, default=16)
     fleet.add_argument("--spares", type=int, default=1, help="clusters that 'add' events bring")
@@ -179,6 +192,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " (fleet.yaml engines.min_inflight)",
     )
 
+
+def _events_arguments(parser: argparse.ArgumentParser) -> None:
+    """Fleet events and long-context bursts."""
     script = parser.add_argument_group("events and bursts")
     script.add_argument(
         "--event",
@@ -203,6 +219,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also report TTFT for requests arriving in this window (bursts are windows)",
     )
 
+
+def _pd_arguments(parser: argparse.ArgumentParser) -> None:
+    """Disaggregated prefill/decode roles and budgets."""
     pd = parser.add_argument_group("disaggregated prefill/decode (extproc.sim.pd)")
     pd.add_argument(
         "--pd",
@@ -238,6 +257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the prefill pool's budget per prefill cluster (bulkhead policies only)",
     )
 
+
+def _admission_arguments(parser: argparse.ArgumentParser) -> None:
+    """Request classes, budgets and SLOs."""
     admission = parser.add_argument_group("classes and admission")
     admission.add_argument("--short-below", type=int, default=2000)
     admission.add_argument("--long-from", type=int, default=100_000)
@@ -251,6 +273,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     admission.add_argument("--max-retries", type=int, default=3, help="429 retries per request")
 
+
+def _run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Policies, seed, workers and outputs."""
     run = parser.add_argument_group("run and output")
     run.add_argument("--policies", type=parse_policies, default=tuple(POLICIES))
     run.add_argument(
@@ -294,8 +319,8 @@ class ProgressBar:
         self.stream.flush()
 
 
-def run(args: argparse.Namespace) -> int:
-    started = time.monotonic()
+def options_from(args: argparse.Namespace) -> SimOptions:
+    """The parsed command line as the simulator's options."""
     shape = FleetShape(
         clusters=args.clusters,
         spares=args.spares,
@@ -316,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         events = ()
     elif args.event:
         events = tuple(args.event)
-    options = SimOptions(
+    return SimOptions(
         trace=args.trace,
         layout=args.layout,
         layout_conversations=args.layout_conversations,
@@ -352,6 +377,11 @@ def run(args: argparse.Namespace) -> int:
         pd_min_inflight=args.pd_min_inflight,
         pd_saturation=args.pd_saturation,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    options = options_from(args)
     try:
         prepared = build(options, load_base(options))
     except (OSError, ValueError) as exc:

@@ -6,10 +6,10 @@ which process.
 
 Admission is the gateway's own code path, not a copy: the simulator drives the processor's
 admission steps (extproc/pipeline/step.py, ``admission_step`` and ``prefill_step``) with a
-synchronous driver (extproc/sim/admission.py) over the in-memory ledger on the simulated clock. A step
-answers with a ticket, a 413, or a 429 whose ``retry-after`` the simulated client honours (up
-to ``max_retries`` times). Tickets are released when the request finishes (its decode ends),
-as the ext_proc stream would end then.
+synchronous driver (extproc/sim/admission.py) over the in-memory ledger on the simulated
+clock. A step answers with a ticket, a 413, or a 429 whose ``retry-after`` the simulated
+client honours (up to ``max_retries`` times). Tickets are released when the request finishes
+(its decode ends), as the ext_proc stream would end then.
 
 A policy that waits (``Policy.waits``, the gateway's flow control) answers the step's
 JoinQueue with the processor's wait-or-refuse policy (extproc/core/queue_policy.py) over its

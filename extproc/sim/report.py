@@ -228,137 +228,20 @@ def summarize(
 ) -> dict[str, Any]:
     traffic = scenario.traffic
     arr = _Arrays(traffic)
-    classes = traffic.classes
-    base = traffic.base
-    trace_mask = ~arr.burst
-    ideal = float(arr.ideal[trace_mask].sum() / max(1, arr.input[trace_mask].sum()))
     in_window = np.zeros(len(arr.times), dtype=bool)
     for lo, hi in windows:
         in_window |= (arr.times >= lo) & (arr.times < hi)
     end = float(arr.times.max()) if len(arr.times) else 0.0
     edges = np.linspace(0.0, end + 1e-9, TIMELINE_BUCKETS + 1)
-    short_ix = 0
-
-    policies: dict[str, Any] = {}
-    for name, run in runs.items():
-        ok = run.status == SERVED
-        cached = np.where(ok, run.cached, 0)
-        prompt = np.where(ok, arr.input, 0)
-        uncached = prompt - cached
-        output = np.where(ok, arr.output, 0)
-        usd_cached = float(cached.sum()) * USD_PER_M_CACHED / 1e6
-        usd_uncached = float(uncached.sum()) * USD_PER_M_UNCACHED / 1e6
-        usd_output = float(output.sum()) * USD_PER_M_OUTPUT / 1e6
-        per_class = {
-            c.name: _class_stats(run, arr, arr.klass == k, slo_s.get(c.name))
-            for k, c in enumerate(classes)
-        }
-        window = (
-            {
-                c.name: _class_stats(run, arr, in_window & (arr.klass == k), slo_s.get(c.name))
-                for k, c in enumerate(classes)
-            }
-            if windows
-            else None
+    policies = {
+        name: _policy_summary(
+            name, run, scenario, arr, slo_s, in_window if windows else None, edges, seed
         )
-        # Prefill busy time per base cluster over the run: how evenly work landed.
-        busy = np.bincount(
-            run.served_on[ok].astype(np.int64),
-            weights=uncached[ok].astype(np.float64),
-            minlength=len(scenario.clusters),
-        )[: scenario.n_base] / np.array(
-            [c.prefill_tps for c in scenario.clusters[: scenario.n_base]]
-        )
-        # Served requests per base cluster: the issue-15 load figure (max/mean <= 1.2).
-        per_cluster = np.bincount(
-            run.served_on[ok].astype(np.int64), minlength=len(scenario.clusters)
-        )[: scenario.n_base]
-        policies[name] = {
-            "description": POLICIES[name].description if name in POLICIES else "",
-            "hit_ratio": _round(float(cached.sum() / max(1, prompt.sum())), 4),
-            "trace_hit_ratio": _round(
-                float(cached[trace_mask].sum() / max(1, prompt[trace_mask].sum())), 4
-            ),
-            "served": int(ok.sum()),
-            "not_served": int((~ok).sum()),
-            "classes": per_class,
-            "window": window,
-            "cost_usd": {
-                "input_cached": _round(usd_cached, 2),
-                "input_uncached": _round(usd_uncached, 2),
-                "input": _round(usd_cached + usd_uncached, 2),
-                "output": _round(usd_output, 2),
-                "total": _round(usd_cached + usd_uncached + usd_output, 2),
-            },
-            "prefill_busy_max_over_mean": _round(float(busy.max() / busy.mean()), 3)
-            if busy.mean() > 0
-            else None,
-            "requests_max_over_mean": _round(float(per_cluster.max() / per_cluster.mean()), 3)
-            if per_cluster.mean() > 0
-            else None,
-            "failures": [_failure(f, scenario, seed) for f in run.failures],
-            "spilled_sessions": run.spilled_sessions,
-            "affinity_decisions": dict(sorted(run.decisions.items())),
-            "leaked_tickets": run.leaked_tickets,
-            "timeline_short_p99_s": _timeline(run, arr, short_ix, edges),
-            "output_tokens_per_s": _throughput(run, arr, output),
-        }
-        if run.transfer_s is not None and run.prefill_tier is not None:
-            policies[name]["pd"] = _pd_stats(run, run.transfer_s, run.prefill_tier)
-
-    ideal_input_usd = (
-        float(arr.ideal.sum()) * USD_PER_M_CACHED
-        + float((arr.input - arr.ideal).sum()) * USD_PER_M_UNCACHED
-    ) / 1e6
-    fleet = scenario.clusters
+        for name, run in runs.items()
+    }
     return {
-        "workload": {
-            "source": base.source,
-            "base_requests": len(base),
-            "base_sessions": base.n_sessions,
-            "copies": traffic.copies,
-            "requests": len(traffic),
-            "sessions": traffic.n_sessions,
-            "trace_sessions": traffic.n_trace_sessions,
-            "burst_requests": int(arr.burst.sum()),
-            "period_s": _round(base.period, 3),
-            "ideal_hit_ratio": _round(ideal, 4),
-            "ideal_input_usd": _round(ideal_input_usd, 2),
-            "classes": {
-                c.name: {
-                    "max_input_tokens": c.max_input_tokens,
-                    "requests": int((arr.klass == k).sum()),
-                    "budget": {
-                        "max_concurrent": c.budget.max_concurrent,
-                        "max_inflight_tokens": c.budget.max_inflight_tokens,
-                        "tokens_per_second": c.budget.tokens_per_second,
-                    },
-                }
-                for k, c in enumerate(classes)
-            },
-        },
-        "fleet": {
-            "clusters": scenario.n_base,
-            "spares": len(fleet) - scenario.n_base,
-            "profiles": {
-                p: sum(1 for c in fleet[: scenario.n_base] if c.profile == p)
-                for p in sorted({c.profile for c in fleet})
-            },
-            "prefill_tps": [
-                _round(min(c.prefill_tps for c in fleet), 1),
-                _round(max(c.prefill_tps for c in fleet), 1),
-            ],
-            "kv_capacity_tokens": [
-                min(c.kv_capacity_tokens for c in fleet),
-                max(c.kv_capacity_tokens for c in fleet),
-            ],
-            "decode_tps": [
-                _round(min(c.decode_tps for c in fleet), 2),
-                _round(max(c.decode_tps for c in fleet), 2),
-            ],
-            "lanes": fleet[0].lanes,
-            "weights": sorted({c.weight for c in fleet}),
-        },
+        "workload": _workload_summary(traffic, arr),
+        "fleet": _fleet_summary(scenario),
         "events": [str(e) for e in scenario.events],
         "bursts": [
             {
@@ -374,6 +257,158 @@ def summarize(
         "failover_plan": failover_plan(scenario),
         "timeline_edges_s": [_round(float(e), 2) for e in edges],
         "policies": policies,
+    }
+
+
+def _policy_summary(
+    name: str,
+    run: PolicyRun,
+    scenario: Scenario,
+    arr: _Arrays,
+    slo_s: Mapping[str, float],
+    in_window: npt.NDArray[np.bool_] | None,
+    edges: npt.NDArray[np.float64],
+    seed: int,
+) -> dict[str, Any]:
+    """One policy's figures: hits, cost, per-class latency, balance, failures."""
+    classes = scenario.traffic.classes
+    trace_mask = ~arr.burst
+    ok = run.status == SERVED
+    cached = np.where(ok, run.cached, 0)
+    prompt = np.where(ok, arr.input, 0)
+    uncached = prompt - cached
+    output = np.where(ok, arr.output, 0)
+    per_class = {
+        c.name: _class_stats(run, arr, arr.klass == k, slo_s.get(c.name))
+        for k, c in enumerate(classes)
+    }
+    window = (
+        {
+            c.name: _class_stats(run, arr, in_window & (arr.klass == k), slo_s.get(c.name))
+            for k, c in enumerate(classes)
+        }
+        if in_window is not None
+        else None
+    )
+    busy, per_cluster = _per_cluster(run, scenario, ok, uncached)
+    out: dict[str, Any] = {
+        "description": POLICIES[name].description if name in POLICIES else "",
+        "hit_ratio": _round(float(cached.sum() / max(1, prompt.sum())), 4),
+        "trace_hit_ratio": _round(
+            float(cached[trace_mask].sum() / max(1, prompt[trace_mask].sum())), 4
+        ),
+        "served": int(ok.sum()),
+        "not_served": int((~ok).sum()),
+        "classes": per_class,
+        "window": window,
+        "cost_usd": _cost(cached, uncached, output),
+        "prefill_busy_max_over_mean": _round(float(busy.max() / busy.mean()), 3)
+        if busy.mean() > 0
+        else None,
+        "requests_max_over_mean": _round(float(per_cluster.max() / per_cluster.mean()), 3)
+        if per_cluster.mean() > 0
+        else None,
+        "failures": [_failure(f, scenario, seed) for f in run.failures],
+        "spilled_sessions": run.spilled_sessions,
+        "affinity_decisions": dict(sorted(run.decisions.items())),
+        "leaked_tickets": run.leaked_tickets,
+        "timeline_short_p99_s": _timeline(run, arr, 0, edges),
+        "output_tokens_per_s": _throughput(run, arr, output),
+    }
+    if run.transfer_s is not None and run.prefill_tier is not None:
+        out["pd"] = _pd_stats(run, run.transfer_s, run.prefill_tier)
+    return out
+
+
+def _per_cluster(
+    run: PolicyRun, scenario: Scenario, ok: npt.NDArray[np.bool_], uncached: npt.NDArray[Any]
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64]]:
+    """Per base cluster: prefill busy time over the run (how evenly work landed), and served
+    requests (the load figure, max/mean <= 1.2)."""
+    busy = np.bincount(
+        run.served_on[ok].astype(np.int64),
+        weights=uncached[ok].astype(np.float64),
+        minlength=len(scenario.clusters),
+    )[: scenario.n_base] / np.array([c.prefill_tps for c in scenario.clusters[: scenario.n_base]])
+    per_cluster = np.bincount(run.served_on[ok].astype(np.int64), minlength=len(scenario.clusters))[
+        : scenario.n_base
+    ]
+    return busy, per_cluster
+
+
+def _cost(
+    cached: npt.NDArray[Any], uncached: npt.NDArray[Any], output: npt.NDArray[Any]
+) -> dict[str, float | None]:
+    usd_cached = float(cached.sum()) * USD_PER_M_CACHED / 1e6
+    usd_uncached = float(uncached.sum()) * USD_PER_M_UNCACHED / 1e6
+    usd_output = float(output.sum()) * USD_PER_M_OUTPUT / 1e6
+    return {
+        "input_cached": _round(usd_cached, 2),
+        "input_uncached": _round(usd_uncached, 2),
+        "input": _round(usd_cached + usd_uncached, 2),
+        "output": _round(usd_output, 2),
+        "total": _round(usd_cached + usd_uncached + usd_output, 2),
+    }
+
+
+def _workload_summary(traffic: Traffic, arr: _Arrays) -> dict[str, Any]:
+    base = traffic.base
+    trace_mask = ~arr.burst
+    ideal = float(arr.ideal[trace_mask].sum() / max(1, arr.input[trace_mask].sum()))
+    ideal_input_usd = (
+        float(arr.ideal.sum()) * USD_PER_M_CACHED
+        + float((arr.input - arr.ideal).sum()) * USD_PER_M_UNCACHED
+    ) / 1e6
+    return {
+        "source": base.source,
+        "base_requests": len(base),
+        "base_sessions": base.n_sessions,
+        "copies": traffic.copies,
+        "requests": len(traffic),
+        "sessions": traffic.n_sessions,
+        "trace_sessions": traffic.n_trace_sessions,
+        "burst_requests": int(arr.burst.sum()),
+        "period_s": _round(base.period, 3),
+        "ideal_hit_ratio": _round(ideal, 4),
+        "ideal_input_usd": _round(ideal_input_usd, 2),
+        "classes": {
+            c.name: {
+                "max_input_tokens": c.max_input_tokens,
+                "requests": int((arr.klass == k).sum()),
+                "budget": {
+                    "max_concurrent": c.budget.max_concurrent,
+                    "max_inflight_tokens": c.budget.max_inflight_tokens,
+                    "tokens_per_second": c.budget.tokens_per_second,
+                },
+            }
+            for k, c in enumerate(traffic.classes)
+        },
+    }
+
+
+def _fleet_summary(scenario: Scenario) -> dict[str, Any]:
+    fleet = scenario.clusters
+    return {
+        "clusters": scenario.n_base,
+        "spares": len(fleet) - scenario.n_base,
+        "profiles": {
+            p: sum(1 for c in fleet[: scenario.n_base] if c.profile == p)
+            for p in sorted({c.profile for c in fleet})
+        },
+        "prefill_tps": [
+            _round(min(c.prefill_tps for c in fleet), 1),
+            _round(max(c.prefill_tps for c in fleet), 1),
+        ],
+        "kv_capacity_tokens": [
+            min(c.kv_capacity_tokens for c in fleet),
+            max(c.kv_capacity_tokens for c in fleet),
+        ],
+        "decode_tps": [
+            _round(min(c.decode_tps for c in fleet), 2),
+            _round(max(c.decode_tps for c in fleet), 2),
+        ],
+        "lanes": fleet[0].lanes,
+        "weights": sorted({c.weight for c in fleet}),
     }
 
 
@@ -397,12 +432,24 @@ def format_table(summary: Mapping[str, Any]) -> str:
         + (", ".join(summary["events"]) or "none"),
         "",
     ]
+    lines += _policy_rows(summary["policies"], classes)
+    lines.append("")
+    lines += [_policy_notes(name, p) for name, p in summary["policies"].items()]
+    if summary.get("windows"):
+        lines.append("")
+        lines += _window_rows(summary, classes)
+    lines += _fleet_event_rows(summary)
+    return "\n".join(lines)
+
+
+def _policy_rows(policies: Mapping[str, Any], classes: list[str]) -> list[str]:
+    """The table: per policy, hits, per-class latency, SLO and 429s, cost, failure spread."""
     head = f"{'policy':<27}{'hit':>6}"
     for c in classes:
         head += f"{c + ' p50/p99 s':>20}{'SLO':>6}{'429%':>7}"
     head += f"{'input $':>10}{'total $':>10}{'refill max/mean':>17}"
-    lines.append(head)
-    for name, p in summary["policies"].items():
+    lines = [head]
+    for name, p in policies.items():
         row = f"{name:<27}{_fmt(p['hit_ratio'], 100, 1):>6}"
         for c in classes:
             st = p["classes"][c]
@@ -413,44 +460,52 @@ def format_table(summary: Mapping[str, Any]) -> str:
         spread = "/".join(_fmt(s) for s in spreads) or "-"
         row += f"{p['cost_usd']['input']:>10.2f}{p['cost_usd']['total']:>10.2f}{spread:>17}"
         lines.append(row)
-    rr = summary["policies"].get("round-robin")
+    rr = policies.get("round-robin")
     if rr and rr["cost_usd"]["input"]:
         ratios = ", ".join(
             f"{name} {p['cost_usd']['input'] / rr['cost_usd']['input']:.2f}x"
-            for name, p in summary["policies"].items()
+            for name, p in policies.items()
             if name != "round-robin"
         )
         lines.append("")
         lines.append(f"input cost relative to round-robin: {ratios}")
-    lines.append("")
-    for name, p in summary["policies"].items():
-        row = f"{name}: output {_fmt(p.get('output_tokens_per_s'), 1, 0)} tokens/s"
+    return lines
+
+
+def _policy_notes(name: str, p: Mapping[str, Any]) -> str:
+    """One policy's throughput, balance, spills and P/D figures, on one line."""
+    row = f"{name}: output {_fmt(p.get('output_tokens_per_s'), 1, 0)} tokens/s"
+    row += (
+        f"; per cluster max/mean: requests {_fmt(p.get('requests_max_over_mean'))}, "
+        f"prefill busy {_fmt(p.get('prefill_busy_max_over_mean'))}"
+    )
+    if p.get("spilled_sessions"):
+        row += f"; {p['spilled_sessions']:,} sessions spilled"
+    pd = p.get("pd")
+    if pd:
         row += (
-            f"; per cluster max/mean: requests {_fmt(p.get('requests_max_over_mean'))}, "
-            f"prefill busy {_fmt(p.get('prefill_busy_max_over_mean'))}"
+            f"; P/D: {pd['disaggregated']:,} disaggregated {pd['by_tier']}, "
+            f"{pd['colocated_fallback']:,} prefilled colocated, KV transfer p50/p99 "
+            f"{_fmt(pd['transfer_p50_s'], 1000, 1)}/{_fmt(pd['transfer_p99_s'], 1000, 1)} ms"
         )
-        if p.get("spilled_sessions"):
-            row += f"; {p['spilled_sessions']:,} sessions spilled"
-        pd = p.get("pd")
-        if pd:
-            row += (
-                f"; P/D: {pd['disaggregated']:,} disaggregated {pd['by_tier']}, "
-                f"{pd['colocated_fallback']:,} prefilled colocated, KV transfer p50/p99 "
-                f"{_fmt(pd['transfer_p50_s'], 1000, 1)}/{_fmt(pd['transfer_p99_s'], 1000, 1)} ms"
-            )
-        lines.append(row)
-    if summary.get("windows"):
-        lines.append("")
-        lines.append(
-            "inside the window(s) " + ", ".join(f"[{a}, {b})" for a, b in summary["windows"])
-        )
-        for name, p in summary["policies"].items():
-            parts = [
-                f"{c} p99 {_fmt(p['window'][c]['ttft_p99_s'])}s"
-                f" (n={p['window'][c]['requests']}, 429 {_fmt(p['window'][c]['rate_429'], 100)}%)"
-                for c in classes
-            ]
-            lines.append(f"  {name:<27}" + "; ".join(parts))
+    return row
+
+
+def _window_rows(summary: Mapping[str, Any], classes: list[str]) -> list[str]:
+    lines = ["inside the window(s) " + ", ".join(f"[{a}, {b})" for a, b in summary["windows"])]
+    for name, p in summary["policies"].items():
+        parts = [
+            f"{c} p99 {_fmt(p['window'][c]['ttft_p99_s'])}s"
+            f" (n={p['window'][c]['requests']}, 429 {_fmt(p['window'][c]['rate_429'], 100)}%)"
+            for c in classes
+        ]
+        lines.append(f"  {name:<27}" + "; ".join(parts))
+    return lines
+
+
+def _fleet_event_rows(summary: Mapping[str, Any]) -> list[str]:
+    """Remapping on membership changes, the failover plan, and each failure's re-prefill."""
+    lines: list[str] = []
     if summary["remapped"]:
         lines.append("")
         for r in summary["remapped"]:
@@ -479,7 +534,7 @@ def format_table(summary: Mapping[str, Any]) -> str:
                 f"(uniform random: median {_fmt(base['median'])}); failback "
                 f"{f['failback_reprefill_tokens']:,} tokens"
             )
-    return "\n".join(lines)
+    return lines
 
 
 def _figure(rows: int, cols: int, size: tuple[float, float]) -> tuple[Any, Any]:

@@ -323,28 +323,9 @@ def expand(
     t_input = list(base.input_tokens)
     t_output = list(base.output_tokens)
     labels = [copy_label(lab, c) for c in range(copies) for lab in base.session_labels]
-    next_key = copies * base.n_keys + 1
-    b_times: list[float] = []
-    b_tmpl: list[int] = []
-    b_sess: list[int] = []
-    for b, burst in enumerate(bursts):
-        brng = np.random.default_rng([seed, 0xB0, b])
-        t = burst.start_s
-        blocks = math.ceil(burst.input_tokens / base.block_tokens)
-        n_burst = 0
-        while True:
-            t += float(brng.exponential(1.0 / burst.rate_per_s))
-            if t >= burst.start_s + burst.duration_s:
-                break
-            t_keys.append(tuple(range(next_key, next_key + blocks)))
-            next_key += blocks
-            t_input.append(burst.input_tokens)
-            t_output.append(burst.output_tokens)
-            b_times.append(t)
-            b_tmpl.append(len(t_keys) - 1)
-            b_sess.append(len(labels))
-            labels.append(f"burst-{b}-{n_burst}")
-            n_burst += 1
+    b_times, b_tmpl, b_sess = _add_bursts(
+        base, bursts, seed, copies * base.n_keys + 1, (t_keys, t_input, t_output), labels
+    )
     n_b = len(b_times)
     all_times = np.concatenate([all_times, np.asarray(b_times, dtype=np.float64)])
     tmpl = np.concatenate([tmpl, np.asarray(b_tmpl, dtype=np.int64)])
@@ -376,6 +357,42 @@ def expand(
         n_trace_sessions=copies * base.n_sessions,
         bursts=tuple(bursts),
     )
+
+
+def _add_bursts(
+    base: BaseTraffic,
+    bursts: Sequence[BurstSpec],
+    seed: int,
+    next_key: int,
+    templates: tuple[list[tuple[int, ...]], list[int], list[int]],
+    labels: list[str],
+) -> tuple[list[float], list[int], list[int]]:
+    """The bursts' one-shot requests, each its own template (appended to ``templates``: keys,
+    input and output tokens) and its own session (appended to ``labels``), with fresh block
+    ids from ``next_key``: their arrival times, templates and sessions."""
+    t_keys, t_input, t_output = templates
+    b_times: list[float] = []
+    b_tmpl: list[int] = []
+    b_sess: list[int] = []
+    for b, burst in enumerate(bursts):
+        brng = np.random.default_rng([seed, 0xB0, b])
+        t = burst.start_s
+        blocks = math.ceil(burst.input_tokens / base.block_tokens)
+        n_burst = 0
+        while True:
+            t += float(brng.exponential(1.0 / burst.rate_per_s))
+            if t >= burst.start_s + burst.duration_s:
+                break
+            t_keys.append(tuple(range(next_key, next_key + blocks)))
+            next_key += blocks
+            t_input.append(burst.input_tokens)
+            t_output.append(burst.output_tokens)
+            b_times.append(t)
+            b_tmpl.append(len(t_keys) - 1)
+            b_sess.append(len(labels))
+            labels.append(f"burst-{b}-{n_burst}")
+            n_burst += 1
+    return b_times, b_tmpl, b_sess
 
 
 def copies_for(base: BaseTraffic, sessions: int) -> int:
