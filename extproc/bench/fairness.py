@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import heapq
 import itertools
-import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from random import Random
 
+from extproc.bench.fairness_stats import jain, pct
 from extproc.core.admission import Demand, Ticket
 from extproc.core.fleet import Budget
 from extproc.core.flow import Fairness, FairQueue, FlowParams, TenantLimit
@@ -88,20 +88,6 @@ class Outcome:
     refused: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     asked: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     busy_token_s: float = 0.0
-
-
-def jain(values: list[float]) -> float:
-    """Jain's fairness index: 1 when all equal, 1/n when one takes everything."""
-    total = sum(values)
-    squares = sum(v * v for v in values)
-    return total * total / (len(values) * squares) if squares else float("nan")
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 class _Run:
