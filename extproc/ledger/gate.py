@@ -236,6 +236,22 @@ class AdmissionGate:
             "released_tokens_per_second": round(tok_rate, 1),
         }
 
+    async def tenant_use(self, claim: TenantClaim) -> tuple[str, TenantClaim, TenantUse]:
+        """Where ``claim``'s tenant is counted now (``redis``: fleet-wide; ``local``: this
+        replica, while Redis is unreachable), its limits as enforced there (a replica's share
+        locally) and its use of them. Reads only (no lease, no bucket drawn) and never raises
+        (for ``explain``)."""
+        if self._shared is not None and self._redis_due():
+            try:
+                use = await self._shared.tenant_use(claim)
+            except LedgerUnavailable as exc:
+                self._redis_failed("usage", exc)
+            else:
+                self._redis_ok()
+                return "redis", claim, use
+        local = claim.shared(self._replicas)
+        return "local", local, self._tenants.use(local.key, local.limit)
+
     # -- admission --------------------------------------------------------------------------
 
     async def admit(self, facts: RequestFacts, route: Route) -> Admitted | Reject | None:
@@ -261,7 +277,9 @@ class AdmissionGate:
         On Redis a new request is refused while others wait in the compartment's fleet-wide
         queue; ``ticket``, a waiter's, is granted only at that queue's head."""
         if not reserve:
-            seen = await self.peek(demand)
+            # Judged against the limits the look was made against (a replica's share when
+            # it was local), so the 429 names what is enforced.
+            seen, demand = await self._peek(demand)
             if seen.tenant_refused and demand.tenant is not None:
                 use = TenantUse(seen.tenant_inflight, seen.tenant_bucket)
                 return Attempt(self._tenant_refusal(demand, demand.tenant, use), demand, None)
@@ -292,18 +310,21 @@ class AdmissionGate:
         """The in-memory reserve of ``demand`` (a replica's share already), its tenant counted
         here: the ticket names the tenant, so its release gives the tenant's slot back."""
         claim = demand.tenant
+        slot: TenantSlot | None = None
         if claim is not None:
             taken = self._tenants.take(claim.key, demand.tokens, claim.limit)
             if isinstance(taken, TenantUse):
                 return self._tenant_refusal(demand, claim, taken)
+            slot = taken
         # This replica's own Redis leases of the compartment are requests still running:
         # they count against its local share too, so an outage does not let it admit a
         # whole share on top of what it already holds.
         answer = self._local.reserve_now(demand, self._redis_usage(demand))
-        if claim is None:
+        if claim is None or slot is None:
             return answer
         if answer.ticket is None:
-            self._tenants.give(TenantSlot(claim.key, demand.tokens))
+            # Refused by the budget: that takes nothing from the tenant (as in reserve.lua).
+            self._tenants.refund(slot, claim.limit)
             return answer
         return dataclasses.replace(
             answer, ticket=dataclasses.replace(answer.ticket, tenant=claim.key)
@@ -322,6 +343,11 @@ class AdmissionGate:
 
     async def peek(self, demand: Demand) -> LedgerAnswer:
         """The compartment of ``demand`` as the active ledger sees it; reserves nothing."""
+        return (await self._peek(demand))[0]
+
+    async def _peek(self, demand: Demand) -> tuple[LedgerAnswer, Demand]:
+        """:meth:`peek`, with ``demand`` as the ledger looked at it (a replica's share of its
+        limits and its tenant's when the look was local)."""
         if self._shared is not None and self._redis_due():
             try:
                 answer = await self._shared.usage(
@@ -331,24 +357,25 @@ class AdmissionGate:
                 self._redis_failed("usage", exc)
             else:
                 self._redis_ok()
-                return answer
+                return answer, demand
         local = demand.shared(self._replicas)
         answer = await self._local.usage(local.cluster, local.class_name, local.limits)
         claim = local.tenant
         if claim is None:
-            return answer
+            return answer, local
         use = self._tenants.use(claim.key, claim.limit)
         own = claim.limit
         over = (own.max_concurrent is not None and use.inflight >= own.max_concurrent) or (
             own.tokens_per_minute is not None
             and use.bucket_tokens < min(local.tokens, own.tokens_per_minute)
         )
-        return dataclasses.replace(
+        seen = dataclasses.replace(
             answer,
             tenant_refused=over,
             tenant_inflight=use.inflight,
             tenant_bucket=use.bucket_tokens,
         )
+        return seen, local
 
     @property
     def polls_shared(self) -> bool:

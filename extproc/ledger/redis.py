@@ -36,6 +36,7 @@ request class, its three keys sharing one hash tag ``{cluster:class}``)::
 A tenant's keys (``T``: its unkeyed digest) are written by the same reserve.lua call that
 admits the request, renewed by renew.lua and released by release.lua with the compartment's
 lease; a lease that lapses stops counting for its tenant as for its compartment.
+tenant_use.lua reads them (for ``explain``) and writes nothing.
 
 Lease ids are ``<replica id>:<sequence>``; the replica id is random per process. Queue tickets
 (queue.lua) are ``<arrival number>/<replica id>:q<sequence>``, leased for ``TICKET_LEASE_S``
@@ -81,6 +82,7 @@ from extproc.core.admission import (
     Ticket,
 )
 from extproc.core.fleet import Budget
+from extproc.core.tenant_limits import TenantUse
 from extproc.ledger.base import LedgerUnavailable
 from extproc.ledger.redis_client import AnyRedis, any_client, is_cluster_url
 
@@ -200,6 +202,7 @@ class RedisLedger:
         self._release = client.register_script(_script("release.lua"))
         self._renew = client.register_script(_script("renew.lua"))
         self._queue = client.register_script(_script("queue.lua"))
+        self._tenant_use = client.register_script(_script("tenant_use.lua"))
 
     @classmethod
     def from_url(
@@ -242,7 +245,8 @@ class RedisLedger:
 
     async def load(self) -> None:
         """Load the scripts so the first admission is already a single EVALSHA."""
-        for script in (self._reserve, self._release, self._renew, self._queue):
+        scripts = (self._reserve, self._release, self._renew, self._queue, self._tenant_use)
+        for script in scripts:
             await self._bounded("script load", self.client.script_load(script.script))
 
     async def eviction_policy(self) -> str | None:
@@ -485,6 +489,14 @@ class RedisLedger:
         args = self._args("-", tokens, limits, True, "", tenant)
         raw = await self._bounded("usage", self._reserve(keys=keys, args=args))
         return self._answer(raw, None)
+
+    async def tenant_use(self, tenant: TenantClaim) -> TenantUse:
+        """``tenant``'s use fleet-wide as it is (tenant_use.lua): its live leases and its
+        bucket's level (against ``tenant.limit``); reads only, reaps nothing."""
+        keys = self.tenant_keys(tenant.key)
+        args = [tenant.limit.tokens_per_minute or 0]
+        raw = await self._bounded("tenant use", self._tenant_use(keys=keys, args=args))
+        return TenantUse(int(raw[0]), _num(raw[1]))
 
     # -- flow control's fleet-wide queue (queue.lua) ------------------------------------------
 

@@ -84,6 +84,17 @@ class TenantLimits:
         if state is not None:
             state.inflight = max(0, state.inflight - 1)
 
+    def refund(self, slot: TenantSlot, own: TenantLimit) -> None:
+        """Undo the :meth:`take` of ``slot`` (with ``own``, the limits it was taken under)
+        whose request was then refused by its class budget: the slot and its tokens go back,
+        as if it had never been taken."""
+        state = self._tenants.get(slot.tenant)
+        if state is None:
+            return
+        state.inflight = max(0, state.inflight - 1)
+        if own.tokens_per_minute is not None:
+            state.level = min(float(own.tokens_per_minute), state.level + slot.tokens)
+
     def _sweep(self) -> None:
         # A tenant with nothing in flight whose bucket has had a minute to refill is in the
         # state a new one starts in: forget it, so memory follows the active tenants only.

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import RedisClusterException, RedisError
 
 from extproc.core.admission import (
+    TENANT_REASONS,
     Admitted,
     Demand,
     LedgerAnswer,
@@ -242,7 +243,8 @@ class Queued:
                         self._finish("admitted")
                         return attempt.outcome
                     if attempt.answer is None:  # the closed policy's 503, a tenant's 429
-                        self._finish("timeout")
+                        refused = attempt.outcome.reason in TENANT_REASONS
+                        self._finish("tenant_limit" if refused else "timeout")
                         self.gate.count_reject(attempt.outcome)
                         return attempt.outcome
                     self.answer = attempt.answer

@@ -835,11 +835,12 @@ class Pipeline:
             gate.count_reject(outcome)
         return outcome  # type: ignore[no-any-return]
 
-    def tenant_view(
+    async def tenant_view(
         self, headers: Mapping[str, str], facts: RequestFacts, cluster: str, class_name: str
     ) -> dict[str, object]:
         """The request's tenant as fair admission sees it (for explain): its label, never its
-        name; its weight, its standing in the queue on (cluster, class), its own limits."""
+        name; its weight, its standing in the queue on (cluster, class), its own limits and
+        its use of them where they are counted (read only: nothing is taken)."""
         runtime = self._runtime.current
         flow = runtime.flow
         tenant = self._tenant(runtime, headers, facts)
@@ -854,22 +855,23 @@ class Pipeline:
         if self._gate is not None:
             out["queue"] = self._gate.waiters.fair_view((cluster, class_name), claim)
         limit = flow.limit_for(tenant.key)
-        if limit.enabled and self._tenants_in_ledger:
-            # Counted fleet-wide in Redis by each reservation; not read here.
-            out["limits"] = {
-                "max_concurrent": limit.max_concurrent,
-                "tokens_per_minute": limit.tokens_per_minute,
-                "counted_in": "redis",
-            }
-        elif limit.enabled:
-            own = tenant_share(limit, runtime.redis.replicas)
-            use = self.tenant_limits.use(tenant.key, own)
-            out["limits"] = {
-                "max_concurrent": own.max_concurrent,
-                "tokens_per_minute": own.tokens_per_minute,
-                "inflight": use.inflight,
-                "bucket_tokens": round(use.bucket_tokens, 1),
-            }
+        if not limit.enabled:
+            return out
+        if self._gate is not None and self._tenants_in_ledger:
+            # Fleet-wide in Redis (its live leases and bucket), or this replica's share while
+            # Redis is unreachable.
+            where, own, use = await self._gate.tenant_use(TenantClaim(tenant.key, limit))
+            limit = own.limit
+        else:
+            where, limit = "memory", tenant_share(limit, runtime.redis.replicas)
+            use = self.tenant_limits.use(tenant.key, limit)
+        out["limits"] = {
+            "max_concurrent": limit.max_concurrent,
+            "tokens_per_minute": limit.tokens_per_minute,
+            "counted_in": where,
+            "inflight": use.inflight,
+            "bucket_tokens": round(use.bucket_tokens, 1) if limit.tokens_per_minute else None,
+        }
         return out
 
     @staticmethod

@@ -280,7 +280,7 @@ class Service:
             result["flow_on_primary"] = await self.gate.flow_preview(
                 str(result["primary"]), cls, request_tokens(outcome.facts)
             )
-            result["tenant"] = self.pipeline.tenant_view(
+            result["tenant"] = await self.pipeline.tenant_view(
                 request_headers(path, headers), outcome.facts, str(result["primary"]), cls.name
             )
         return result
