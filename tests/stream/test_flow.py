@@ -20,12 +20,12 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config import compile_runtime, parse_config
 from extproc.config.runtime import Overrides
-from extproc.core.admission import Demand
+from extproc.core.admission import Admitted, Demand
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.fleet import Budget
 from extproc.core.flow import FairClaim, FairQueue
 from extproc.ledger.gate import build_gate
-from extproc.ledger.redis import TICKET_LEASE_S, RedisLedger
+from extproc.ledger.redis import TICKET_LEASE_S, RedisLedger, queue_keys
 from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Rejected, Routed, Waiting
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
@@ -382,29 +382,69 @@ async def test_queue_is_fleet_wide_in_order_and_length(server: RedisServer) -> N
 
 
 async def test_dead_replicas_waiters_lapse_and_stop_blocking(server: RedisServer) -> None:
-    a, gate_a, _ = await make(notices_only(), server.url)
+    # Re-checking every hour, waiting up to ten minutes: within the minute allowed (against a
+    # hang) only the once-a-lease re-check of a waiter behind another replica's can admit it.
+    d = notices_only()
+    d["flow"]["redis_poll_ms"] = 3_600_000
+    d["classes"][0]["wait"]["max_wait_s"] = 600.0
+    a, gate_a, _ = await make(d, server.url)
+    ledger = RedisLedger.from_url(server.url, timeout_s=1.0)
+    expiry_key = queue_keys(ledger.prefix, "c1", "long", ledger.one_slot)[1]
+    # Each attempt of a's waiter: (admitted, answered "another replica's waiter is ahead").
+    attempts: list[tuple[bool, bool]] = []
+    attempt = gate_a.attempt
+
+    async def recorded(demand: Demand, *, reserve: bool = True, ticket: str | None = None) -> Any:
+        done = await attempt(demand, reserve=reserve, ticket=ticket)
+        if ticket is not None:
+            behind = done.answer is not None and done.answer.behind
+            attempts.append((isinstance(done.outcome, Admitted), behind))
+        return done
+
+    gate_a.attempt = recorded
     dead = RedisLedger.from_url(server.url, timeout_s=1.0)
+    renewing = None
     try:
         sid = session_on(a, "c1", "d")
         first = await a.decide(headers(sid), BODY, 1.0)
         assert isinstance(first, Routed)
-        # A replica that queued a request and died: its ticket is never renewed nor withdrawn.
+        # Another replica queues a request and renews its ticket, as a live replica does...
         ghost = await dead.join("c1", "long", dead.new_ticket(), "t", 1.0, 1, 8)
-        joined = time.monotonic()
         assert ghost.joined and ghost.ahead == 0
-        await dead.close()
+        lost: list[str] = []
+
+        async def renew() -> None:
+            while not lost:
+                lost.extend(await dead.touch("c1", "long", [ghost.ticket]))
+                await asyncio.sleep(TICKET_LEASE_S / 6)
+
+        renewing = asyncio.create_task(renew())
         survivor = asyncio.create_task(a.decide(headers(sid), BODY, 2.0))
         await wait_until(lambda: gate_a.waiters.depth("c1", "long") == 1)
         await a.release(first.hold)
-        # Behind the ghost until its lease lapses; then admitted (the waiter re-checks once a
-        # lease while someone else heads the queue, far below the 30 s re-check).
-        admitted = await asyncio.wait_for(survivor, timeout=TICKET_LEASE_S + 10)
-        waited = time.monotonic() - joined
+        # ...so a's waiter, which tried when it queued and again when woken by the release
+        # (or its re-check), stays behind it.
+        await wait_until(lambda: len(attempts) >= 2)
+        assert attempts[:2] == [(False, True)] * 2, attempts
+        assert not survivor.done() and not lost
+        # ...then dies: its ticket is never renewed nor withdrawn.
+        renewing.cancel()
+        await asyncio.gather(renewing, return_exceptions=True)
+        await dead.close()
+        admitted = await asyncio.wait_for(survivor, timeout=60.0)
         assert isinstance(admitted, Routed)
-        assert TICKET_LEASE_S - 0.5 <= waited < TICKET_LEASE_S + 5.0, waited
+        # Admitted only once the lapsed ticket was reaped (a live one would still be queued),
+        # on a re-check no release announced; refused behind it until then.
+        assert await ledger.client.zscore(expiry_key, ghost.ticket) is None
+        assert attempts[-1] == (True, False), attempts
+        assert all(seen == (False, True) for seen in attempts[:-1]), attempts
         await a.release(admitted.hold)
         assert gate_a.held == 0
     finally:
+        if renewing is not None:
+            renewing.cancel()
+        await ledger.close()
+        await dead.close()
         await gate_a.close()
 
 
