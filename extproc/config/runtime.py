@@ -123,9 +123,12 @@ class Runtime:
     decide_at_headers: bool = False
     # Bound of the per-replica session memory (affinity.max_sessions).
     max_sessions: int = 1_000_000
-    # GPU health's relief (gpu_health, when on and a cluster lists gpus): when a hot cluster's
-    # least active sessions move (extproc.core.relief). None: no GPU is watched.
+    # Relief (extproc.core.relief): when a hot cluster's least active sessions move. Set when
+    # gpu_health watches a GPU, or for KV pressure (kv_relief_at). None: nothing is watched.
     gpu_relief: ReliefParams | None = None
+    # With affinity off and engine_metrics on: the scraped KV use (affinity.kv_migrate_threshold)
+    # at which a cluster is hot (no new sessions, relieved as for a GPU). None: not watched.
+    kv_relief_at: float | None = None
     served_by_header: str | None = "x-served-by"
     # The response headers the pipeline reads when it reads any: load reports, the serving
     # cluster's name, the content type (SSE or not, for usage inspection).
@@ -282,6 +285,7 @@ def compile_runtime(
         ),
         max_sessions=cfg.affinity.max_sessions,
         gpu_relief=gpu_relief(cfg),
+        kv_relief_at=kv_relief_at(cfg),
         served_by_header=served,
         pd=pd_plan(cfg, classes),
         response_headers=(
@@ -445,10 +449,22 @@ def balance_factor(cfg: FleetConfig, redis_url: str | None = None) -> float:
     return DEFAULT_BALANCE_FACTOR if shared or cfg.redis.replicas == 1 else 0.0
 
 
+def kv_relief_at(cfg: FleetConfig) -> float | None:
+    """The scraped KV use at which, with load-aware affinity off, a cluster is relieved as a hot
+    GPU's (affinity on has its own rule there); None when no engine's KV use is scraped."""
+    if cfg.affinity.enabled or not cfg.engine_metrics.enabled:
+        return None
+    if not any(c.engine != "openai" for c in cfg.clusters):
+        return None
+    return cfg.affinity.kv_migrate_threshold
+
+
 def gpu_relief(cfg: FleetConfig) -> ReliefParams | None:
-    """When a hot cluster's least active sessions move, or None when no GPU is watched."""
+    """When a hot cluster's least active sessions move (gpu_health's pace, also for KV
+    pressure), or None when neither a GPU nor, with affinity off, KV use is watched."""
     gh = cfg.gpu_health
-    if not gh.enabled or not any(c.gpus for c in cfg.clusters):
+    gpus = gh.enabled and any(c.gpus for c in cfg.clusters)
+    if not gpus and kv_relief_at(cfg) is None:
         return None
     return ReliefParams(gh.move_after_ms / 1000, gh.move_fraction)
 

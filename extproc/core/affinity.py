@@ -65,8 +65,9 @@ rules among its loaded clusters while one of them is healthy: a spill, a hot key
 migration there never lands on a cluster that would load the adapter first. Only when none of
 them is healthy (failover) do the rules run over every candidate of its base model.
 
-**Relief** (``SessionView.leave``, GPU health only): a cluster whose GPUs stay over a
-``gpu_health`` threshold is relieved in rounds, least active sessions first
+**Relief** (``SessionView.leave``; GPU health, and KV pressure with affinity off, below): a
+cluster whose GPUs stay over a ``gpu_health`` threshold is relieved in rounds, least active
+sessions first
 (extproc.core.relief: once it has stayed hot for ``move_after_ms``, ``move_fraction`` of the
 sessions it holds, the ones with the fewest recent requests, and again each further
 ``move_after_ms``; at least one always stays). The shell marks a picked session's view with
@@ -76,12 +77,16 @@ active sessions keep their cache: a quiet session's cache is the first an engine
 
 Without load-aware affinity (``enabled: false``, the product default) the shell asks
 :func:`place_bounded` instead: rule 2 with relief's migrations only, then rule 4 judged on the
-share bound and the GPU verdicts. No load report, in-flight count or hot-key rate is read there
+share bound and the hot set. No load report, in-flight count or hot-key rate is read there
 (they ride on the response phase, which affinity alone asks Envoy for), so the only states are
-*healthy* (probed clusters), *GPU-hot* (the GPU scraper's verdicts, which come from the DCGM
-exporters, not from responses) and *over its share*; the placement counts are the processor's
-own. A GPU-hot cluster is treated as an unhealthy one for new sessions only: no new session
-starts there, and the sessions it holds stay unless relief picks them.
+*healthy* (probed clusters), *hot* (the GPU scraper's verdicts, which come from the DCGM
+exporters, and, when the engines' /metrics are scraped, KV use at ``kv_migrate_threshold``:
+neither comes from responses) and *over its share*; the placement counts are the processor's
+own. A hot cluster is treated as an unhealthy one for new sessions and as a failover target:
+no new session starts there, no secondary is one while a cooler candidate is healthy, and the
+sessions it holds stay unless relief picks them (KV pressure below ``kv_migrate_threshold``
+moves nothing there: the cluster is busy, not losing its caches). Relief's reason for a KV
+verdict is ``kv_cache``.
 
 The secondary (Envoy's failover target) is always the first other candidate in hash order that
 is healthy and not pressured, or simply the next one when none is: with a quiet fleet that is
@@ -90,6 +95,7 @@ exactly pure hashing's secondary.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -101,11 +107,12 @@ from extproc.core.placement import Placement
 # "placed": a new session moved off its full primary by admission (extproc/core/flow.py).
 Kind = Literal["primary", "spilled", "migrated", "hot_spread", "override", "placed"]
 KINDS: tuple[Kind, ...] = ("primary", "spilled", "migrated", "hot_spread", "override", "placed")
-# Why a session left the cluster holding its cache: the cluster failed, its KV use is critical,
-# or relief (extproc.core.relief) picked it among the least active of a cluster whose GPUs stay
-# over a gpu_health threshold (the GPU verdict's own name).
+# Why a session left the cluster holding its cache: the cluster failed, its KV use is critical
+# (affinity on: every session leaves), or relief (extproc.core.relief) picked it among the least
+# active of a cluster whose GPUs stay over a gpu_health threshold (the GPU verdict's own name)
+# or, with affinity off, whose scraped KV use stays at ``kv_migrate_threshold`` ("kv_cache").
 MigrationReason = Literal[
-    "unhealthy", "memory_pressure", "gpu_memory", "gpu_temperature", "gpu_slowdown"
+    "unhealthy", "memory_pressure", "gpu_memory", "gpu_temperature", "gpu_slowdown", "kv_cache"
 ]
 
 
@@ -531,38 +538,69 @@ def place_bounded(
     params: AffinityParams,
     within: int | None = None,
     shortcut: Shortcut | None = None,
-    gpu_hot: Collection[str] = (),
+    hot: Collection[str] = (),
 ) -> Decision:
     """Bounded-load placement of new sessions with load-aware affinity off: an override is
     followed (refreshed as in rule 2); a new session whose hash primary is over its share, or
-    whose GPUs are over a gpu_health threshold, starts on the first healthy candidate in hash
-    order within its share and not hot ("spilled", remembered); anything else keeps pure
-    hashing's placement, ``hashed`` (the top two of ``ranked``). With ``balance_factor`` 0 and
-    no hot GPU nothing is ever spilled.
+    hot, starts on the first healthy candidate in hash order within its share and not hot
+    ("spilled", remembered); anything else keeps pure hashing's placement, ``hashed`` (the top
+    two of ``ranked``). With ``balance_factor`` 0 and nothing hot nothing is ever spilled.
+
+    ``hot``: the clusters that take no new sessions now (usually none): one of their engines'
+    GPUs is over a gpu_health threshold, or their scraped KV use is at ``kv_migrate_threshold``
+    (the shell's verdicts). A hot cluster is treated as an unhealthy one for new sessions and as
+    Envoy's failover target: a secondary that is hot is replaced by the first other candidate in
+    hash order that is healthy and not hot, when there is one (so with nothing hot, and for
+    every request whose secondary is cool, the secondary is pure hashing's).
 
     An existing session moves only when relief picked it (``session.leave``: among the least
-    active of a cluster whose GPUs stay over a threshold, extproc.core.relief) and that
-    cluster is still hot: to the first other candidate that is healthy and not hot ("migrated",
-    remembered), or nowhere when there is none.
+    active of a hot cluster, extproc.core.relief) and that cluster is still hot: to the first
+    other candidate that is healthy and not hot ("migrated", remembered), or nowhere when there
+    is none.
 
-    ``ranked`` (the candidates in hash order) and ``loads`` (health, the recent-placement
-    counts and the GPU verdicts) are asked for only when a new session is judged or a session
-    moves: ranking every candidate and building the snapshot cost more than the rest of the
+    ``ranked`` (the candidates in hash order) and ``loads`` (health and the recent-placement
+    counts) are asked for only when a new session is judged, a session moves or a secondary is
+    hot: ranking every candidate and building the snapshot cost more than the rest of the
     decision, and most requests are later turns. ``candidates``: the same clusters, for the
     override's membership. ``within``: spill among (and take the mean over) the first
     ``within`` candidates only (a LoRA adapter's clusters that have it loaded,
-    extproc.core.models.Candidates). ``gpu_hot``: the clusters whose GPUs are over a threshold
-    now (usually none; the snapshot says the same of each). ``shortcut``: cheaper views of the
-    same inputs (:class:`Shortcut`), used while no GPU is hot: a new session is judged from
-    them without ranking every candidate or building the snapshot where they settle it, and by
-    ``ranked`` and ``loads`` otherwise. Only verdicts that float rounding cannot flip are taken
-    from them (:func:`share_verdict`), so the decision is the same as without them."""
+    extproc.core.models.Candidates). ``shortcut``: cheaper views of the same inputs
+    (:class:`Shortcut`), used while nothing is hot: a new session is judged from them without
+    ranking every candidate or building the snapshot where they settle it, and by ``ranked``
+    and ``loads`` otherwise. Only verdicts that float rounding cannot flip are taken from them
+    (:func:`share_verdict`), so the decision is the same as without them."""
+    decision = _bounded(
+        hashed, candidates, ranked, loads, session, now, params, within, shortcut, hot
+    )
+    secondary = decision.placement.secondary
+    if secondary is None or secondary not in hot:
+        return decision
+    primary = decision.placement.primary
+    snapshot = loads()
+    cool = _first(ranked(), lambda n: n not in hot and snapshot.get(n).healthy, primary)
+    if cool is None:
+        return decision
+    return dataclasses.replace(decision, placement=Placement(primary, cool))
+
+
+def _bounded(
+    hashed: Placement,
+    candidates: Collection[str],
+    ranked: Callable[[], Sequence[str]],
+    loads: Callable[[], FleetSnapshot],
+    session: SessionView,
+    now: float,
+    params: AffinityParams,
+    within: int | None,
+    shortcut: Shortcut | None,
+    hot: Collection[str],
+) -> Decision:
     override = session.override
     followed = override is not None and override.expires_at > now and override.cluster in candidates
     if followed or session.seen:
         current = override.cluster if followed and override is not None else hashed.primary
-        if session.leave is not None and current in gpu_hot:
-            moved = _relieved(current, session.leave, ranked, loads, now, params, within)
+        if session.leave is not None and current in hot:
+            moved = _relieved(current, session.leave, ranked, loads, now, params, within, hot)
             if moved is not None:
                 return moved
         if not followed or override is None:
@@ -572,10 +610,11 @@ def place_bounded(
         return Decision(
             Placement(current, secondary), "override", _refreshed(override, now, params)
         )
-    if params.balance_factor <= 0 and hashed.primary not in gpu_hot:
+    if params.balance_factor <= 0 and hashed.primary not in hot:
         return Decision(hashed, "primary")
-    # The shortcut knows nothing of GPUs: while one is hot, a spill's target is searched exactly.
-    if shortcut is not None and not gpu_hot:
+    # The shortcut knows nothing of hot clusters: while one is, a spill's target is searched
+    # exactly.
+    if shortcut is not None and not hot:
         quick = _bounded_by_shortcut(hashed, shortcut, now, params, within)
         if quick is not None:
             return quick
@@ -584,15 +623,15 @@ def place_bounded(
     judge = _judge(among, loads(), now, params)
 
     def open_to_new(name: str) -> bool:
-        return judge.healthy(name) and not judge.gpu_hot(name)
+        return judge.healthy(name) and name not in hot
 
     primary = hashed.primary
-    if not judge.gpu_hot(primary) and not judge.over_share(primary):
+    if primary not in hot and not judge.over_share(primary):
         return Decision(hashed, "primary")
     target = _first(among, lambda n: open_to_new(n) and not judge.over_share(n))
-    if target is None and judge.gpu_hot(primary):
-        # Over its share is a reason to prefer another cluster, a hot GPU a reason to avoid
-        # one: with no cluster within its share, the first that is not hot.
+    if target is None and primary in hot:
+        # Over its share is a reason to prefer another cluster, a hot one a reason to avoid
+        # it: with no cluster within its share, the first that is not hot.
         target = _first(among, open_to_new)
     if target is None or target == primary:
         return Decision(hashed, "primary")
@@ -611,16 +650,15 @@ def _relieved(
     now: float,
     params: AffinityParams,
     within: int | None,
+    hot: Collection[str],
 ) -> Decision | None:
-    """place_bounded's move of a session relief picked off ``current``: to the first other
-    candidate (of the adapter's loaded ones, when ``within``) that is healthy and not hot,
-    whatever its share (as :func:`_migrate`: the bound places new sessions only)."""
+    """place_bounded's move of a session relief picked off the hot ``current``: to the first
+    other candidate (of the adapter's loaded ones, when ``within``) that is healthy and not
+    hot, whatever its share (as :func:`_migrate`: the bound places new sessions only)."""
     order = ranked()
     among = order[:within] if within else order
     judge = _judge(among, loads(), now, params)
-    if not judge.gpu_hot(current):
-        return None
-    target = _first(among, lambda n: judge.healthy(n) and not judge.gpu_hot(n), current)
+    target = _first(among, lambda n: judge.healthy(n) and n not in hot, current)
     if target is None:
         return None
     return Decision(

@@ -2,8 +2,9 @@
 (extproc.pipeline.relief) keeps each cluster's sessions and how active they are, and asks this
 module which of them move on their next request.
 
-A cluster whose GPUs stay over a ``gpu_health`` threshold (extproc.core.gpu_health) takes no
-new sessions, but the sessions it holds keep it full or hot. Once it has stayed over for
+A cluster whose GPUs stay over a ``gpu_health`` threshold (extproc.core.gpu_health), or, with
+load-aware affinity off, whose scraped KV use stays at ``affinity.kv_migrate_threshold``, takes
+no new sessions, but the sessions it holds keep it full or hot. Once it has stayed over for
 ``move_after_s``, a *round* marks ``move_fraction`` of the sessions it still holds, the least
 active first; each further ``move_after_s`` it stays over, another round marks the same
 fraction of those left. A marked session migrates on its next request (one re-prefill on its
@@ -21,14 +22,16 @@ step (and could make it hot in turn); a round moves a fraction, and the next rou
 whether that was enough. A round always keeps at least one session: relief never empties a
 cluster, since moving the one session it has left only moves its heat elsewhere.
 
-At ``critical`` (KV use at ``kv_migrate_threshold``: the engine preempts and evicts anyway,
-extproc.core.affinity's rule 3) every session leaves, the least active first in the order.
+At ``critical`` every session leaves, the least active first in the order (the rule load-aware
+affinity applies at ``kv_migrate_threshold``, extproc.core.affinity's rule 3: it reads every
+response's load report, so it sees the pressure as it grows). Without affinity the KV verdict
+comes from the scraper alone, and relief moves the least active in rounds as for a GPU.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,7 +40,8 @@ Pressure = Literal["hot", "critical"]
 
 @dataclass(frozen=True, slots=True)
 class ReliefParams:
-    """Compiled from fleet.yaml's ``gpu_health`` (``move_after_ms``, ``move_fraction``)."""
+    """Compiled from fleet.yaml's ``gpu_health`` (``move_after_ms``, ``move_fraction``), which
+    pace relief for KV pressure too."""
 
     move_after_s: float = 30.0
     move_fraction: float = 0.25
@@ -96,3 +100,25 @@ def to_move(
     keep = max(1, math.floor(len(present) * (1.0 - params.move_fraction) ** rounds + 1e-9))
     ranked = least_active_first(present, now, params)
     return frozenset(s.key for s in ranked[: len(present) - keep])
+
+
+def cool_first(names: Sequence[str], hot: Collection[str]) -> tuple[str, ...]:
+    """``names`` (in order) without the hot ones, or all of them when every one is hot: a hot
+    cluster takes no new session while a cooler one can."""
+    cool = tuple(n for n in names if n not in hot)
+    return cool or tuple(names)
+
+
+def cool_secondary(ranked: Sequence[str], chosen: str, hot: Collection[str]) -> str | None:
+    """Envoy's failover target for a request placed on ``chosen``: the first other candidate in
+    hash order that is not hot, else the first other one (pure hashing's own rule, which this
+    is whenever the next candidate is cool)."""
+    first = None
+    for name in ranked:
+        if name == chosen:
+            continue
+        if name not in hot:
+            return name
+        if first is None:
+            first = name
+    return first

@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from extproc.config.runtime import Runtime
 from extproc.core.affinity import AffinityParams, Decision, Override, RecentShare, SessionView
 from extproc.core.facts import RequestFacts
 from extproc.core.hotkeys import HotKeys
@@ -94,8 +95,14 @@ class LoadTable:
         self._inflight: dict[str, int] = {}
         self._reports: dict[str, tuple[LoadReport, float]] = {}
         self._failing_until: dict[str, float] = {}
-        # cluster -> (why its GPUs take no new sessions, until when the verdict holds)
-        self._gpu: dict[str, tuple[str, float]] = {}
+        # cluster -> (why its GPUs take no new sessions, until when the verdict holds, since
+        # when its GPUs have been hot without a break: the scraper's first hot verdict)
+        self._gpu: dict[str, tuple[str, float, float]] = {}
+        # Relief for KV pressure (affinity off, engine_metrics on: extproc.core.relief): the
+        # KV use at which a cluster is hot and how long a report is trusted; None: off.
+        self.kv_relief: tuple[float, float] | None = None
+        # cluster -> since when its reports have said KV use at kv_relief's threshold.
+        self._kv_high: dict[str, float] = {}
         # cluster -> (decayed count of placed requests, instant it was last brought up to date)
         self._recent: dict[str, tuple[float, float]] = {}
         # id(candidate names) -> their kept total (see share); the latest instant placed saw.
@@ -228,6 +235,13 @@ class LoadTable:
         return self._inflight.get(cluster, 0)
 
     def record(self, cluster: str, report: LoadReport, now: float) -> None:
+        relief = self.kv_relief
+        if relief is not None:
+            if report.kv is not None and report.kv >= relief[0]:
+                if not self.kv_hot(cluster, now):
+                    self._kv_high[cluster] = now  # a new hot spell: from this report on
+            else:
+                self._kv_high.pop(cluster, None)
         self._reports[cluster] = (report, now)
 
     def forget_scraped(self, cluster: str) -> None:
@@ -235,14 +249,18 @@ class LoadTable:
         found = self._reports.get(cluster)
         if found is not None and found[0].source == "scrape":
             del self._reports[cluster]
+            self._kv_high.pop(cluster, None)
 
-    def record_gpu(self, cluster: str, reason: str | None, until: float) -> None:
-        """The GPU verdict of a cluster's engines (extproc.pipeline.gpu_scraper), trusted until
-        ``until``; None: its GPUs are fine (or no longer watched)."""
+    def record_gpu(self, cluster: str, reason: str | None, at: float, until: float) -> None:
+        """The GPU verdict of a cluster's engines (extproc.pipeline.gpu_scraper) observed at
+        ``at``, trusted until ``until``; None: its GPUs are fine (or no longer watched)."""
         if reason is None:
             self._gpu.pop(cluster, None)
-        else:
-            self._gpu[cluster] = (reason, until)
+            return
+        found = self._gpu.get(cluster)
+        # Hot without a break (the last verdict still held): the spell goes on.
+        since = found[2] if found is not None and at < found[1] else at
+        self._gpu[cluster] = (reason, until, since)
 
     def gpu_reason(self, cluster: str, now: float) -> str | None:
         found = self._gpu.get(cluster)
@@ -252,7 +270,38 @@ class LoadTable:
         """The clusters with a fresh GPU verdict at ``now`` (usually none)."""
         if not self._gpu:
             return frozenset()
-        return frozenset(c for c, (_reason, until) in self._gpu.items() if now < until)
+        return frozenset(c for c, (_reason, until, _since) in self._gpu.items() if now < until)
+
+    def kv_hot(self, cluster: str, now: float) -> bool:
+        """Whether the cluster's fresh report says KV use at kv_relief's threshold."""
+        relief = self.kv_relief
+        if relief is None or cluster not in self._kv_high:
+            return False
+        found = self._reports.get(cluster)
+        return found is not None and now - found[1] <= relief[1]
+
+    def hot_reason(self, cluster: str, now: float) -> str | None:
+        """Why the cluster takes no new sessions and is relieved (extproc.core.relief): its
+        GPU verdict, else ``kv_cache`` (KV relief); None when it is neither."""
+        return self.gpu_reason(cluster, now) or ("kv_cache" if self.kv_hot(cluster, now) else None)
+
+    def hot_since(self, cluster: str, now: float) -> float | None:
+        """Since when the cluster has been hot without a break, by the scrapers' clocks (the
+        first verdict or report that found it so); None when it is not hot now."""
+        times = []
+        found = self._gpu.get(cluster)
+        if found is not None and now < found[1]:
+            times.append(found[2])
+        if self.kv_hot(cluster, now):
+            times.append(self._kv_high[cluster])
+        return min(times) if times else None
+
+    def hot(self, now: float) -> frozenset[str]:
+        """The clusters that take no new sessions at ``now``: GPU-hot or KV-hot (usually
+        none)."""
+        if not self._kv_high:
+            return self.gpu_hot(now)
+        return self.gpu_hot(now) | {c for c in self._kv_high if self.kv_hot(c, now)}
 
     def mark_failing(self, cluster: str, until: float) -> None:
         self._failing_until[cluster] = max(until, self._failing_until.get(cluster, until))
@@ -477,6 +526,11 @@ class FleetState:
         self._queue_gauges: dict[str, Any] = {}
         self._inflight_gauges: dict[str, Any] = {}
 
+    def relieve_kv(self, runtime: Runtime) -> None:
+        """Follow the runtime's KV relief (``kv_relief_at``; a reload may change it)."""
+        at = runtime.kv_relief_at
+        self.load.kv_relief = None if at is None else (at, runtime.affinity.signal_max_age_s)
+
     def hot_keys(self, params: AffinityParams) -> HotKeys:
         # Rebuilt when a reload changes the half-life: old rates decayed differently.
         if self._hot is None or self._hot.half_life_s != params.hot_key_half_life_s:
@@ -631,11 +685,15 @@ class FleetState:
         if report.queue is not None:
             self._child(self._queue_gauges, self.metrics.cluster_queue, cluster).set(report.queue)
 
-    def gpu_checked(self, cluster: str, reason: str | None, until: float) -> None:
-        """The GPU scraper's verdict on a cluster (extproc.pipeline.gpu_scraper), on the
-        pipeline's clock."""
-        self.load.record_gpu(cluster, reason, until)
-        if reason is None:
+    def gpu_checked(self, cluster: str, reason: str | None, at: float, until: float) -> None:
+        """The GPU scraper's verdict on a cluster (extproc.pipeline.gpu_scraper), observed at
+        ``at`` and trusted until ``until``, on the pipeline's clock."""
+        self.load.record_gpu(cluster, reason, at, until)
+        self._maybe_cooled(cluster, at)
+
+    def _maybe_cooled(self, cluster: str, at: float) -> None:
+        """End the cluster's relief spell once neither its GPUs nor its KV use keep it hot."""
+        if self.load.hot_reason(cluster, at) is None:
             self.relief.cooled(cluster)
 
     def scraped(self, cluster: str, report: LoadReport | None, at: float) -> None:
@@ -643,9 +701,11 @@ class FleetState:
         no endpoint of it has a fresh scrape. ``at`` is on the pipeline's clock."""
         if report is None:
             self.load.forget_scraped(cluster)
+            self._maybe_cooled(cluster, at)
             return
         self.metrics.load_reports.labels(report.source).inc()
         self.load.record(cluster, report, at)
+        self._maybe_cooled(cluster, at)
         if report.kv is not None:
             self._child(self._kv_gauges, self.metrics.cluster_kv, cluster).set(report.kv)
         if report.queue is not None:

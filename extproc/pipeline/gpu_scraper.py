@@ -5,8 +5,9 @@ One round fetches every exporter page once (several engines on one node share it
 each bounded by ``timeout``; the next round starts ``interval`` after the previous one started.
 Each engine's verdict comes from the GPUs it runs on (extproc.core.gpu_health.engine_reason);
 a cluster's from its engines' (``cluster_reason``) and goes to
-``on_verdict(cluster, reason, until)``: ``reason`` None means fine, ``until`` is when the
-verdict stops being trusted (the scrape's instant plus ``max_age``). An engine whose exporter
+``on_verdict(cluster, reason, at, until)``: ``reason`` None means fine, ``at`` is the scrape's
+instant on the injected clock (a relief spell is dated from the first hot one), ``until`` when
+the verdict stops being trusted (``at`` plus ``max_age``). An engine whose exporter
 did not answer this round contributes nothing: its last verdict ages out at ``max_age`` (the
 consumer's expiry), so a dead exporter neither pins a cluster as hot nor clears it at once.
 
@@ -62,7 +63,7 @@ class GpuPlan:
 
 
 FetchPage = Callable[[str, float], Awaitable[str]]
-OnVerdict = Callable[[str, GpuReason | None, float], None]
+OnVerdict = Callable[[str, GpuReason | None, float, float], None]
 
 
 class GpuMetrics:
@@ -153,7 +154,7 @@ class GpuScraper:
             verdicts.setdefault(target.cluster, []).append(reason)
         for cluster, reasons in verdicts.items():
             verdict = cluster_reason(reasons)
-            self._on_verdict(cluster, verdict, at + plan.max_age_s)
+            self._on_verdict(cluster, verdict, at, at + plan.max_age_s)
             for reason in GPU_REASONS:
                 hot = reason == verdict
                 if hot or (cluster, reason) in self._shown:

@@ -48,7 +48,7 @@ from extproc.core.decide import Placer, Route, base_class_name
 from extproc.core.endpoints import adapter_engines, engine_key, pick_endpoints
 from extproc.core.facts import RequestFacts, header_facts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
-from extproc.core.flow import WaitPolicy, placement_candidates, secondary_for
+from extproc.core.flow import WaitPolicy, placement_candidates
 from extproc.core.keys import KeySource
 from extproc.core.load import ORCA_HEADER, ClusterLoad, FleetSnapshot, parse_load_headers
 from extproc.core.models import (
@@ -62,6 +62,7 @@ from extproc.core.models import (
 )
 from extproc.core.pd import PrefillChoice, bootstrap_batch, bootstrap_fields
 from extproc.core.placement import HEAD_MIN_CLUSTERS, Placement, Rendezvous, mix64
+from extproc.core.relief import cool_first, cool_secondary
 from extproc.core.tenant_limits import refusal as tenant_refusal
 from extproc.core.tenant_limits import share as tenant_share
 from extproc.core.tenants import Tenant, resolve_tenant
@@ -217,6 +218,7 @@ class Pipeline:
         self._gate = gate
         self._endpoint_health = endpoint_health
         self.fleet = fleet or FleetState(metrics, runtime.current.max_sessions)
+        self.fleet.relieve_kv(runtime.current)
         # The counters every routed request increments, by (api, class, kind): labels() costs
         # more than the increment, and the set is bounded by the config (cleared past 4096).
         self._routed_series: dict[tuple[Api, str, str], _Both] = {}
@@ -255,6 +257,7 @@ class Pipeline:
         # The session memory trims to a lower bound on its next writes.
         self.fleet.memory.max_sessions = runtime.max_sessions
         self.fleet.relief.max_sessions = runtime.max_sessions
+        self.fleet.relieve_kv(runtime)
 
     def use_endpoint_health(self, endpoint_health: EndpointHealth | None) -> None:
         """The endpoint prober a reload started (or stopped): probing follows the config
@@ -981,10 +984,14 @@ class Pipeline:
         order = placement_candidates(
             ranked, route.placement.primary, view.seen, view.override is not None
         )
-        for cluster in order:
-            if not self.fleet.load.cluster(cluster, now, ready).healthy:
-                continue
-            placement = Placement(cluster, secondary_for(ranked, cluster))
+        load = self.fleet.load
+        hot = load.hot(now)
+        healthy: Iterator[str] = (c for c in order if load.cluster(c, now, ready).healthy)
+        if hot:
+            # A hot cluster takes no new sessions while a cooler one is healthy.
+            healthy = iter(cool_first(list(healthy), hot))
+        for cluster in healthy:
+            placement = Placement(cluster, cool_secondary(ranked, cluster, hot))
             yield Route(placement, route.request_class, route.model)
 
     async def _follow_override(
@@ -1003,9 +1010,9 @@ class Pipeline:
         with trace_phase("session_lookup"):
             view = await fleet.view(facts, hashed.primary, now, params, record=record, hot=False)
         balance = params.balance_half_life_s if params.balance_factor > 0 else None
-        gpu_hot: frozenset[str] = frozenset()
+        hot: frozenset[str] = frozenset()
         if runtime.gpu_relief is not None:
-            gpu_hot = fleet.load.gpu_hot(now)
+            hot = fleet.load.hot(now)
             view = self._relief_view(runtime, facts, view, hashed.primary, now, record)
         ranked: list[str] = []
 
@@ -1024,10 +1031,13 @@ class Pipeline:
         if balance is not None and self._share_totals and not view.seen:
             shortcut = self._shortcut(runtime, placer, point, now, balance, within)
         decision = place_bounded(
-            hashed, placer.names, order, loads, view, now, params, within, shortcut, gpu_hot
+            hashed, placer.names, order, loads, view, now, params, within, shortcut, hot
         )
-        if decision.kind != "primary":
-            # Otherwise the hash placement stands (moved off an unready primary already).
+        if decision.kind != "primary" or (
+            decision.placement != hashed and route.placement == hashed
+        ):
+            # Otherwise the hash placement stands (moved off an unready primary already); a
+            # primary decision differs from it only by a secondary off a hot cluster.
             route = Route(decision.placement, route.request_class, route.model)
         if record:
             if balance is not None:
@@ -1116,8 +1126,9 @@ class Pipeline:
         record: bool,
     ) -> SessionView:
         """The session view with ``leave`` set when relief picks this session off the cluster
-        it is on (its override's, else its hash primary), whose GPUs are over a threshold
-        (extproc.core.relief); a cluster found cool ends its spell."""
+        it is on (its override's, else its hash primary), which is hot: its GPUs are over a
+        threshold, or its KV use at kv_relief_at (extproc.core.relief); a cluster found cool
+        ends its spell."""
         relief = runtime.gpu_relief
         override = view.override
         if relief is None or not (view.seen or override is not None):
@@ -1126,14 +1137,16 @@ class Pipeline:
             override.cluster if override is not None and override.expires_at > now else hash_primary
         )
         table = self.fleet.relief
-        reason = self.fleet.load.gpu_reason(current, now)
+        load = self.fleet.load
+        reason = load.hot_reason(current, now)
         if reason is None:
             if record and table.in_spell(current):
                 table.cooled(current)
             return view
         ttl = runtime.affinity.new_session_ttl_s
         key = facts.session.digest
-        if not table.leaves(current, key, "hot", now, ttl, relief, record=record):
+        since = load.hot_since(current, now)
+        if not table.leaves(current, key, "hot", now, ttl, relief, since=since, record=record):
             return view
         return dataclasses.replace(view, leave=cast(MigrationReason, reason))
 

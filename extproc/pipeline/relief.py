@@ -8,9 +8,11 @@ pressured cluster anyway). The total is bounded by ``affinity.max_sessions``. Se
 each move the least active of the sessions they see; the override a move writes is shared
 through Redis when configured, as any other.
 
-A spell starts at the first request that finds its cluster pressured and ends at the first one
-that finds it fine (or when the GPU scraper clears the verdict): a cluster that cools down and
-heats up again starts its rounds over.
+A spell is dated from the scrapers' first verdict that found its cluster pressured (the GPU
+scraper's, or the engine scraper's KV report; ``since``), not from the first request that finds
+it so: its rounds come ``move_after_s`` after the cluster became hot, whether or not a request
+arrived in between. It ends at the first request that finds the cluster fine, or when a scraper
+says so: a cluster that cools down and heats up again starts its rounds over.
 """
 
 from __future__ import annotations
@@ -79,14 +81,16 @@ class ReliefTable:
         ttl_s: float,
         params: ReliefParams,
         *,
+        since: float | None = None,
         record: bool = True,
     ) -> bool:
-        """Whether session ``key`` leaves ``cluster`` (pressured at ``level`` now) on this
-        request. Runs the rounds the spell has earned since the last ask; ``record=False``
-        previews the answer without starting a spell or marking anyone."""
+        """Whether session ``key`` leaves ``cluster`` (pressured at ``level`` now, and since
+        ``since`` when known, else from now) on this request. Runs the rounds the spell has
+        earned since the last ask; ``record=False`` previews the answer without starting a
+        spell or marking anyone."""
         spell = self._spells.get(cluster)
         if spell is None:
-            spell = _Spell(now)
+            spell = _Spell(now if since is None else min(since, now))
             if record:
                 self._spells[cluster] = spell
         due = rounds_due(spell.since, now, params)

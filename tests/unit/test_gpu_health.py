@@ -108,11 +108,11 @@ def test_a_hot_cluster_takes_no_new_session_and_keeps_the_ones_it_holds() -> Non
 
 def test_the_load_table_trusts_a_verdict_until_it_expires() -> None:
     table = LoadTable()
-    table.record_gpu("c1", "gpu_memory", until=110.0)
+    table.record_gpu("c1", "gpu_memory", at=50.0, until=110.0)
     assert table.cluster("c1", 100.0).gpu == "gpu_memory"
     assert table.cluster("c1", 110.0).gpu is None  # stale: dropped, not trusted
-    table.record_gpu("c1", "gpu_memory", until=130.0)
-    table.record_gpu("c1", None, until=130.0)  # cooled down
+    table.record_gpu("c1", "gpu_memory", at=70.0, until=130.0)
+    table.record_gpu("c1", None, at=70.0, until=130.0)  # cooled down
     assert table.cluster("c1", 120.0).gpu is None
 
 

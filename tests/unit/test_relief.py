@@ -1,9 +1,15 @@
-"""Relief of a GPU-hot cluster: which of its sessions leave, least active first
-(extproc.core.relief), the shell's table of who is where (extproc.pipeline.relief), what
-placement makes of it with affinity off (place_bounded) and on (place), and the pipeline
-wiring with the product default (affinity off)."""
+"""Relief of a hot cluster (GPU over a threshold; with affinity off, scraped KV use at
+kv_migrate_threshold): which of its sessions leave, least active first (extproc.core.relief),
+the shell's table of who is where (extproc.pipeline.relief) and since when a cluster is hot
+(extproc.pipeline.fleet_state), what placement makes of it with affinity off (place_bounded,
+flow control's placement) and on (place), and the pipeline wiring with the product default
+(affinity off)."""
 
 from __future__ import annotations
+
+import random
+import time
+from typing import Any
 
 import orjson
 import pytest
@@ -21,10 +27,20 @@ from extproc.core.affinity import (
     place,
     place_bounded,
 )
+from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.keys import KeySource
-from extproc.core.load import ClusterLoad, FleetSnapshot
+from extproc.core.load import ClusterLoad, FleetSnapshot, LoadReport
 from extproc.core.placement import Placement
-from extproc.core.relief import ReliefParams, SessionActivity, rounds_due, to_move
+from extproc.core.relief import (
+    ReliefParams,
+    SessionActivity,
+    cool_first,
+    cool_secondary,
+    rounds_due,
+    to_move,
+)
+from extproc.ledger.gate import build_gate
+from extproc.pipeline.fleet_state import LoadTable
 from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
@@ -155,12 +171,12 @@ def bounded(
     snapshot: FleetSnapshot,
     params: AffinityParams = OFF,
     hot: frozenset[str] | None = None,
+    hashed: Placement = HASHED,
 ) -> Decision:
-    gpu_hot = (
-        hot if hot is not None else frozenset(n for n, c in snapshot.clusters.items() if c.gpu)
-    )
+    if hot is None:
+        hot = frozenset(n for n, c in snapshot.clusters.items() if c.gpu)
     return place_bounded(
-        HASHED, RANKED, lambda: RANKED, lambda: snapshot, session, 100.0, params, gpu_hot=gpu_hot
+        hashed, RANKED, lambda: RANKED, lambda: snapshot, session, 100.0, params, hot=hot
     )
 
 
@@ -327,13 +343,13 @@ async def test_the_product_default_avoids_a_hot_cluster_and_moves_its_least_acti
         await _send(pipeline, steady, t + 0.5)
     await _send(pipeline, busy, 4.8)
 
-    pipeline.fleet.gpu_checked("c1", "gpu_memory", until=1000.0)
+    pipeline.fleet.gpu_checked("c1", "gpu_memory", at=5.0, until=1000.0)
     # New sessions whose hash primary is c1 start elsewhere; the ones c1 holds stay.
     fresh = await _send(pipeline, unseen[0], 5.0)
     assert fresh.route.placement.primary != "c1" and fresh.kind == "spilled"
     for sid in (quiet, busy, steady):
         assert (await _send(pipeline, sid, 6.0)).route.placement.primary == "c1"
-    # Hot for 10 s (the spell started at 6.0): one round; floor(3 x 0.75) = 2 of c1's three
+    # Hot for 10 s (since the verdict at 5.0): one round; floor(3 x 0.75) = 2 of c1's three
     # sessions stay, the quietest leaves.
     assert (await _send(pipeline, busy, 16.0)).route.placement.primary == "c1"
     moved = await _send(pipeline, quiet, 16.5)
@@ -346,10 +362,240 @@ async def test_the_product_default_avoids_a_hot_cluster_and_moves_its_least_acti
     assert later.route.placement.primary != "c1"
     # Once c1 cools down: the moved session follows its new cluster (its override), the
     # others stay where their caches are.
-    pipeline.fleet.gpu_checked("c1", None, until=1000.0)
+    pipeline.fleet.gpu_checked("c1", None, at=17.0, until=1000.0)
     again = await _send(pipeline, quiet, 17.0)
     assert again.route.placement.primary == moved.route.placement.primary
     assert (await _send(pipeline, busy, 17.0)).route.placement.primary == "c1"
     assert (await _send(pipeline, unseen[1], 17.0)).route.placement.primary == (
         later.route.placement.primary
     )
+
+
+# -- since when a cluster is hot: the scrapers' clock, not the first request's ----------------
+
+
+def test_a_spell_is_dated_from_the_verdict_when_the_shell_knows_it() -> None:
+    table = ReliefTable(100)
+    table.seen("c1", b"busy", 1.0, 600.0, RELIEF)
+    table.seen("c1", b"busy", 2.0, 600.0, RELIEF)
+    table.seen("c1", b"quiet", 1.0, 600.0, RELIEF)
+    # Hot since 3.0 (the verdict), first asked at 13.5: a round is already due.
+    assert table.leaves("c1", b"quiet", "hot", 13.5, 600.0, RELIEF, since=3.0)
+    assert not table.leaves("c1", b"busy", "hot", 13.5, 600.0, RELIEF, since=3.0)
+
+
+def test_the_load_table_keeps_the_start_of_an_unbroken_hot_spell() -> None:
+    table = LoadTable()
+    table.record_gpu("c1", "gpu_memory", at=5.0, until=65.0)
+    table.record_gpu("c1", "gpu_temperature", at=10.0, until=70.0)  # still hot: same spell
+    assert table.hot_since("c1", 20.0) == 5.0
+    assert table.hot_reason("c1", 20.0) == "gpu_temperature"
+    assert table.hot(20.0) == {"c1"}
+    # The verdict lapsed before the next one: a new spell.
+    table.record_gpu("c1", "gpu_memory", at=100.0, until=160.0)
+    assert table.hot_since("c1", 100.0) == 100.0
+    table.record_gpu("c1", None, at=110.0, until=170.0)
+    assert table.hot_since("c1", 110.0) is None and table.hot(110.0) == frozenset()
+
+
+def scrape(kv: float) -> LoadReport:
+    return LoadReport(kv=kv, queue=None, inflight=None, cpu=None, source="scrape")
+
+
+def test_kv_use_at_the_migrate_threshold_makes_a_cluster_hot_only_with_kv_relief() -> None:
+    table = LoadTable()
+    table.record("c1", scrape(0.99), 1.0)
+    assert table.hot_reason("c1", 1.0) is None  # KV relief off (affinity on): no verdict
+    table.kv_relief = (0.97, 10.0)
+    table.record("c1", scrape(0.98), 5.0)
+    table.record("c1", scrape(0.99), 6.0)
+    assert table.hot_reason("c1", 6.0) == "kv_cache" and table.hot_since("c1", 6.0) == 5.0
+    assert table.hot(6.0) == {"c1"}
+    assert table.hot_reason("c1", 16.5) is None  # the report is stale: not trusted
+    # Busy below the threshold: not hot, and the next spell starts over.
+    table.record("c1", scrape(0.90), 7.0)
+    assert table.hot_reason("c1", 7.0) is None and table.hot(7.0) == frozenset()
+    table.record("c1", scrape(0.97), 8.0)
+    assert table.hot_since("c1", 8.0) == 8.0
+    # A GPU verdict is named first; the spell is the earlier of the two.
+    table.record_gpu("c1", "gpu_memory", at=9.0, until=60.0)
+    assert table.hot_reason("c1", 9.0) == "gpu_memory" and table.hot_since("c1", 9.0) == 8.0
+    table.forget_scraped("c1")
+    assert table.hot_since("c1", 9.5) == 9.0
+
+
+# -- hot clusters are not failover targets, nor flow control's placements ---------------------
+
+
+def test_cool_first_and_cool_secondary_skip_hot_clusters_while_a_cool_one_exists() -> None:
+    assert cool_first(("c2", "c3"), {"c2"}) == ("c3",)
+    assert cool_first(("c2", "c3"), {"c2", "c3"}) == ("c2", "c3")
+    assert cool_secondary(("c1", "c2", "c3"), "c1", {"c2"}) == "c3"
+    assert cool_secondary(("c1", "c2", "c3"), "c1", {"c2", "c3"}) == "c2"
+    assert cool_secondary(("c1", "c2", "c3"), "c1", ()) == "c2"  # pure hashing's
+
+
+def test_without_affinity_a_hot_hashed_secondary_is_replaced_by_the_next_cool_one() -> None:
+    hot_c2 = FleetSnapshot.of({"c2": ClusterLoad(gpu="gpu_memory")})
+    new = bounded(SessionView(seen=False), hot_c2)
+    assert new.kind == "primary" and new.placement == Placement("c1", "c3")
+    held = bounded(SessionView(seen=True), hot_c2)
+    assert held.placement == Placement("c1", "c3")
+    on_c3 = bounded(SessionView(seen=True, override=Override("c3", 900.0)), hot_c2, hot=None)
+    assert on_c3.placement == Placement("c3", "c1")
+    # No healthy cool candidate: the hashed secondary stands.
+    c3_down = FleetSnapshot.of(
+        {"c2": ClusterLoad(gpu="gpu_memory"), "c3": ClusterLoad(healthy=False)}
+    )
+    assert bounded(SessionView(seen=False), c3_down).placement == HASHED
+    # Nothing hot: pure hashing's pair, whatever the snapshot says of load.
+    assert bounded(SessionView(seen=False), FleetSnapshot.of({})).placement == HASHED
+
+
+def test_without_affinity_a_kv_hot_cluster_is_avoided_from_the_hot_set_alone() -> None:
+    # The snapshot carries no GPU verdict: the shell's hot set (KV at kv_migrate_threshold)
+    # is what place_bounded reads.
+    quiet = FleetSnapshot.of({})
+    d = bounded(SessionView(seen=False), quiet, hot=frozenset({"c1"}))
+    assert d.kind == "spilled" and d.placement == Placement("c2", "c3")
+    moved = bounded(SessionView(seen=True, leave="kv_cache"), quiet, hot=frozenset({"c1"}))
+    assert moved.kind == "migrated" and moved.migration_reason == "kv_cache"
+
+
+# -- the pipeline: the spell's clock, KV relief, secondaries, flow control -------------------
+
+
+def _ranked(pipeline: Pipeline, sid: str) -> tuple[str, ...]:
+    runtime = pipeline.runtime
+    facts = parse_request(
+        "/v1/chat/completions", _headers(sid), BODY, runtime.key_rules, runtime.parse_limits
+    )
+    assert isinstance(facts, RequestFacts)
+    placer = next(iter(runtime.policy.placers.values()))
+    return tuple(placer.ranked(facts.session.point))
+
+
+def _ranked_as(pipeline: Pipeline, tag: str, order: tuple[str, ...]) -> str:
+    for i in range(10_000):
+        if _ranked(pipeline, f"{tag}{i}") == order:
+            return f"{tag}{i}"
+    raise AssertionError(f"no session ranked {order}")
+
+
+async def test_relief_begins_move_after_the_verdict_even_with_no_request_in_between() -> None:
+    registry = CollectorRegistry()
+    pipeline = Pipeline(RuntimeHolder(_runtime()), Metrics(registry))
+    quiet, busy, steady = await _on_c1(pipeline, "held", 3)
+    for sid in (quiet, busy, steady):
+        await _send(pipeline, sid, 1.0)
+    for t in (2.0, 3.0, 4.0):
+        await _send(pipeline, busy, t)
+        await _send(pipeline, steady, t + 0.5)
+    # Hot from the scrape at 5.0; no request of c1's sessions until 15.5, after one period.
+    pipeline.fleet.gpu_checked("c1", "gpu_memory", at=5.0, until=1000.0)
+    moved = await _send(pipeline, quiet, 15.5)
+    assert moved.kind == "migrated" and moved.route.placement.primary != "c1"
+    assert (await _send(pipeline, busy, 15.6)).route.placement.primary == "c1"
+
+
+def _kv_runtime(move_fraction: float = 0.25) -> Runtime:
+    return compile_runtime(
+        parse_config(
+            {
+                "version": 1,
+                "clusters": [
+                    {"name": f"c{i}", "endpoints": [f"127.0.0.1:80{i:02d}"], "engine": "vllm"}
+                    for i in (1, 2, 3)
+                ],
+                "affinity": {"balance_factor": 0},
+                "engine_metrics": {"enabled": True},
+                "gpu_health": {"move_after_ms": 10000, "move_fraction": move_fraction},
+            }
+        )
+    )
+
+
+async def test_kv_use_at_the_migrate_threshold_relieves_a_cluster_without_affinity() -> None:
+    runtime = _kv_runtime()
+    assert not runtime.affinity.enabled and runtime.kv_relief_at == 0.97
+    registry = CollectorRegistry()
+    pipeline = Pipeline(RuntimeHolder(runtime), Metrics(registry))
+    quiet, busy, steady = await _on_c1(pipeline, "held", 3)
+    unseen = await _on_c1(pipeline, "new", 3)
+    for sid in (quiet, busy, steady):
+        await _send(pipeline, sid, 1.0)
+    for t in (2.0, 3.0, 4.0):
+        await _send(pipeline, busy, t)
+        await _send(pipeline, steady, t + 0.5)
+
+    # Busy, over the pressure threshold but below the migrate one: nothing changes there.
+    for t in range(5, 20):
+        pipeline.fleet.scraped("c1", scrape(0.92), float(t))
+    assert (await _send(pipeline, unseen[0], 19.0)).route.placement.primary == "c1"
+    for sid in (quiet, busy, steady):
+        assert (await _send(pipeline, sid, 19.5)).route.placement.primary == "c1"
+
+    # At the migrate threshold from 20.0 on: no new session starts there, and one period later
+    # the least active of the sessions it holds leaves, counted under its own reason.
+    for t in range(20, 31):
+        pipeline.fleet.scraped("c1", scrape(0.98), float(t))
+    fresh = await _send(pipeline, unseen[1], 29.0)
+    assert fresh.route.placement.primary != "c1" and fresh.kind == "spilled"
+    assert (await _send(pipeline, busy, 29.5)).route.placement.primary == "c1"
+    assert (await _send(pipeline, steady, 29.5)).route.placement.primary == "c1"
+    moved = await _send(pipeline, unseen[0], 30.0)  # 4 sessions, 0.25 each round: one leaves
+    assert moved.kind == "migrated" and moved.route.placement.primary != "c1"
+    assert registry.get_sample_value("fleet_migrations_total", {"reason": "kv_cache"}) == 1.0
+    assert (await _send(pipeline, quiet, 30.2)).route.placement.primary == "c1"
+    # Back below the threshold: the spell ends, and new sessions start on c1 again.
+    pipeline.fleet.scraped("c1", scrape(0.5), 31.0)
+    assert not pipeline.fleet.relief.in_spell("c1")
+    assert (await _send(pipeline, unseen[2], 31.0)).route.placement.primary == "c1"
+
+
+async def test_a_new_sessions_hot_secondary_is_replaced_by_a_cool_one() -> None:
+    pipeline = Pipeline(RuntimeHolder(_runtime()), Metrics(CollectorRegistry()))
+    sid = _ranked_as(pipeline, "s", ("c1", "c2", "c3"))
+    assert (await _send(pipeline, sid, 1.0)).route.placement == Placement("c1", "c2")
+    pipeline.fleet.gpu_checked("c2", "gpu_temperature", at=2.0, until=1000.0)
+    other = _ranked_as(pipeline, "n", ("c1", "c2", "c3"))
+    assert (await _send(pipeline, other, 3.0)).route.placement == Placement("c1", "c3")
+    assert (await _send(pipeline, sid, 3.0)).route.placement == Placement("c1", "c3")
+
+
+async def test_flow_controls_placement_skips_a_hot_cluster() -> None:
+    doc: dict[str, Any] = {
+        "version": 1,
+        "clusters": [
+            {
+                "name": f"c{i}",
+                "endpoints": [f"127.0.0.1:80{i:02d}"],
+                "gpus": [{"endpoint": f"127.0.0.1:80{i:02d}", "exporter": "127.0.0.1:9400"}],
+            }
+            for i in (1, 2, 3)
+        ],
+        "classes": [{"name": "long", "budget": {"max_concurrent": 1}}],
+        "affinity": {"balance_factor": 0},
+        "gpu_health": {"enabled": True},
+        "flow": {"place_new_sessions": True},
+    }
+    runtime = compile_runtime(parse_config(doc))
+    registry = CollectorRegistry()
+    gate = build_gate(runtime, registry, time.monotonic, random.Random(1))
+    await gate.start()
+    try:
+        pipeline = Pipeline(RuntimeHolder(runtime), Metrics(registry), gate)
+        holder = _ranked_as(pipeline, "h", ("c1", "c3", "c2"))
+        first = await pipeline.decide(_headers(holder), BODY, 1.0)
+        assert isinstance(first, Routed) and first.route.placement.primary == "c1"
+        pipeline.fleet.gpu_checked("c2", "gpu_memory", at=1.5, until=1000.0)
+        # c1's budget is full; the new session's next candidate, c2, is hot: c3 instead,
+        # failing over to c1 rather than to the hot c2.
+        new = _ranked_as(pipeline, "n", ("c1", "c2", "c3"))
+        placed = await pipeline.decide(_headers(new), BODY, 2.0)
+        assert isinstance(placed, Routed) and placed.kind == "placed"
+        assert placed.route.placement == Placement("c3", "c1")
+        await pipeline.release(placed.hold)
+        await pipeline.release(first.hold)
+    finally:
+        await gate.close()
