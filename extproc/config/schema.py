@@ -703,7 +703,9 @@ class AffinityConfig(Strict):
         gt=0,
         le=1,
         description="KV-cache use at which a cluster's existing sessions migrate away (one "
-        "re-prefill each).",
+        "re-prefill each). With affinity off and engine_metrics on, the scraped KV use at which "
+        "a cluster takes no new sessions and its least active sessions move in rounds "
+        "(gpu_health.move_after_ms, move_fraction; docs/gpu-health.md).",
     )
     new_session_ttl_s: float = Field(
         default=600.0,
@@ -829,9 +831,11 @@ class GpuHealthConfig(Strict):
     move_after_ms: int = Field(
         default=30000,
         gt=0,
-        description="Once a cluster has stayed hot this long, the least active move_fraction of "
-        "the sessions it holds move on their next request; again each further move_after_ms "
-        "it stays hot (the default is the exporter's default refresh interval).",
+        description="Once a cluster has stayed hot this long (from the scraper's first hot "
+        "verdict), the least active move_fraction of the sessions it holds move on their next "
+        "request; again each further move_after_ms it stays hot (the default is the "
+        "exporter's default refresh interval). Also paces relief for KV pressure with affinity "
+        "off (affinity.kv_migrate_threshold), gpu_health enabled or not.",
     )
     move_fraction: float = Field(
         default=0.25,
@@ -839,7 +843,7 @@ class GpuHealthConfig(Strict):
         le=1,
         description="Share of a hot cluster's remaining sessions, the least active first, moved "
         "per move_after_ms it stays hot; at least one session always stays. 0: existing "
-        "sessions never move for their GPUs.",
+        "sessions never move for their GPUs (or their KV use).",
     )
 
 

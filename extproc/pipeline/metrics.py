@@ -113,7 +113,8 @@ class Metrics:
             "Existing sessions moved off the cluster holding their KV cache: each costs one"
             " re-prefill on the new cluster. By reason (unhealthy, memory_pressure; gpu_memory,"
             " gpu_temperature, gpu_slowdown: among the least active of a cluster whose GPUs"
-            " stay over a gpu_health threshold).",
+            " stay over a gpu_health threshold; kv_cache: likewise, with affinity off, of a"
+            " cluster whose scraped KV use stays at kv_migrate_threshold).",
             ["reason"],
             registry=registry,
         )
