@@ -157,10 +157,11 @@ Outcome = Routed | Rejected | BadRequest | Passthrough | Unavailable | ModelList
 class Waiting:
     """Over budget, queued for up to ``max_wait_s`` (extproc/core/flow.py): not an answer yet.
 
-    Only :meth:`~extproc.pipeline.pipeline.Pipeline.decide_deferred` returns it, so the shell
-    can keep Envoy's message timer from firing before it awaits :attr:`resume`, which ends as
-    Routed or Rejected. :attr:`cancel` (idempotent) withdraws the request when the stream ends
-    first; nothing is held while waiting.
+    Only a decision asked not to wait returns it (``Pipeline.decide(..., wait=False)``, as the
+    protocol shell's :class:`~extproc.pipeline.exchange.Exchange` asks), so the shell can keep
+    Envoy's message timer from firing before it awaits :attr:`resume`, which ends as Routed or
+    Rejected. :attr:`cancel` (idempotent) withdraws the request when the stream ends first;
+    nothing is held while waiting.
     """
 
     facts: RequestFacts

@@ -13,6 +13,9 @@ takes time as an argument. See ARCHITECTURE.md, "The path of one request".
     pipeline.observe_response(hold, response_headers, now)
     await pipeline.observe_response_body(hold, chunk, end_of_stream, now)
     await pipeline.release(hold)                           # when the exchange ends, always
+
+The protocol shell does not call these: it opens one :class:`Exchange` per stream
+(:meth:`Pipeline.exchange`, extproc/pipeline/exchange.py), which keeps the request's hold.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Mapping
 from random import Random
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 from urllib.parse import unquote
 
 import orjson
@@ -43,7 +46,7 @@ from extproc.core.affinity import (
     place,
     place_bounded,
 )
-from extproc.core.api import Api, BadRequest, ErrorStyle, api_for_path, canonical_path
+from extproc.core.api import Api, BadRequest, ErrorStyle, canonical_path
 from extproc.core.decide import Placer, Route, base_class_name
 from extproc.core.endpoints import adapter_engines, engine_key, pick_endpoints
 from extproc.core.facts import RequestFacts, header_facts, parse_request
@@ -73,6 +76,7 @@ from extproc.ledger.waiters import Queued
 from extproc.names import prefill_mirror_cluster
 from extproc.pipeline import step as steps
 from extproc.pipeline.endpoint_health import EndpointHealth
+from extproc.pipeline.exchange import Exchange, Modes, inference_api
 from extproc.pipeline.fleet_state import FleetState
 from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import (
@@ -157,13 +161,6 @@ class RuntimeHolder:
         self.current = runtime
 
 
-def inference_api(headers: Mapping[str, str]) -> Api | None:
-    """The API of an inference request (a POST to one of the API paths), else None."""
-    if headers.get(":method") != "POST":
-        return None
-    return api_for_path(headers.get(":path", ""))
-
-
 def _loaded_tier(placer: object) -> int | None:
     """How many of a LoRA adapter's ranked candidates have it loaded (they rank first,
     extproc.core.models.Candidates), or None: no adapter, or loaded nowhere."""
@@ -227,6 +224,7 @@ class Pipeline:
         # traffic (a hot request after every other request would see only even salts).
         self._decisions = 0
         self._owners: tuple[Runtime | None, Mapping[str, str]] = (None, {})
+        self._modes: tuple[Runtime | None, Modes | None] = (None, None)
         # Prefills in flight per prefill endpoint (disaggregated classes): the load half of the
         # prefill choice (extproc.core.pd).
         self._prefill_inflight: dict[str, int] = {}
@@ -287,6 +285,28 @@ class Pipeline:
         self._count_bad(bad, api)
         return bad
 
+    @overload
+    async def decide(
+        self,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        now: float,
+        *,
+        record: bool = ...,
+        wait: Literal[True] = ...,
+    ) -> Outcome: ...
+
+    @overload
+    async def decide(
+        self,
+        headers: Mapping[str, str],
+        body: bytes | None,
+        now: float,
+        *,
+        record: bool = ...,
+        wait: Literal[False],
+    ) -> Outcome | Waiting: ...
+
     async def decide(
         self,
         headers: Mapping[str, str],
@@ -294,29 +314,46 @@ class Pipeline:
         now: float,
         *,
         record: bool = True,
-    ) -> Outcome:
+        wait: bool = True,
+    ) -> Outcome | Waiting:
         """Decide one request and take what it holds (budget, an in-flight count).
 
         ``headers`` have lower-case names and Envoy's pseudo-headers (``:path``, ``:method``);
         ``body`` is the whole body, or None when the request ended with its headers. A Routed
         outcome's hold must be given back with :meth:`release` when the exchange ends.
         ``record=False`` is :meth:`preview` (one body for both, so they cannot drift).
-        A request queued for budget is waited for here (:meth:`decide_deferred` hands the
-        wait to the caller instead).
+        A request queued for budget is waited for here; ``wait=False`` returns it as
+        :class:`Waiting` at once instead (what an :class:`Exchange` does: the protocol shell
+        first extends Envoy's message timer, then awaits ``resume()``, and calls ``cancel()``
+        if the stream ends first).
         """
-        return await _settled(await self.decide_deferred(headers, body, now, record=record))
+        outcome = await self._decide_body(headers, body, now, record)
+        return await _settled(outcome) if wait else outcome
 
-    async def decide_deferred(
-        self,
-        headers: Mapping[str, str],
-        body: bytes | None,
-        now: float,
-        *,
-        record: bool = True,
+    def exchange(self) -> Exchange:
+        """The seam for one HTTP exchange (extproc/pipeline/exchange.py): opened by the
+        protocol shell when a stream starts."""
+        return Exchange(self)
+
+    @property
+    def modes(self) -> Modes:
+        """What a stream asks Envoy for under the runtime served now (one value per runtime)."""
+        runtime = self._runtime.current
+        cached, modes = self._modes
+        if cached is runtime and modes is not None:
+            return modes
+        modes = Modes(
+            runtime.response_phases,
+            runtime.inspect_usage,
+            self.asks_load_reports,
+            runtime.envoy_graceful_close,
+        )
+        self._modes = (runtime, modes)
+        return modes
+
+    async def _decide_body(
+        self, headers: Mapping[str, str], body: bytes | None, now: float, record: bool
     ) -> Outcome | Waiting:
-        """:meth:`decide`, except that a request queued for budget comes back as
-        :class:`Waiting` at once: the protocol shell first extends Envoy's message timer, then
-        awaits ``resume()`` (and calls ``cancel()`` if the stream ends first)."""
         api = inference_api(headers)
         if api is None:
             listing = self._model_listing(headers)
@@ -345,28 +382,44 @@ class Pipeline:
             )
         return await self._decide_facts(runtime, api, facts, headers, now, record)
 
-    @property
-    def decides_at_headers(self) -> bool:
-        """Whether :meth:`decide_headers` may decide anything (processor.read_body)."""
-        return self._runtime.current.decide_at_headers
+    @overload
+    async def decide_headers(
+        self,
+        headers: Mapping[str, str],
+        now: float,
+        *,
+        record: bool = ...,
+        wait: Literal[True] = ...,
+    ) -> Outcome | None: ...
+
+    @overload
+    async def decide_headers(
+        self,
+        headers: Mapping[str, str],
+        now: float,
+        *,
+        record: bool = ...,
+        wait: Literal[False],
+    ) -> Outcome | Waiting | None: ...
 
     async def decide_headers(
-        self, headers: Mapping[str, str], now: float, *, record: bool = True
-    ) -> Outcome | None:
+        self, headers: Mapping[str, str], now: float, *, record: bool = True, wait: bool = True
+    ) -> Outcome | Waiting | None:
         """The header path: decide an inference request at its headers when its body adds
         nothing to the decision (extproc.core.facts.header_facts), else None (the body is
         needed: call :meth:`decide` with it). The outcome is the one :meth:`decide` would
         take on the same request with its body, for placement, class and admission; the body
-        itself is not checked (ARCHITECTURE.md, "The header path").
+        itself is not checked (ARCHITECTURE.md, "The header path"). ``wait`` as in
+        :meth:`decide`.
         """
-        outcome = await self.decide_headers_deferred(headers, now, record=record)
-        return None if outcome is None else await _settled(outcome)
+        outcome = await self._decide_head(headers, now, record)
+        if outcome is None or not wait:
+            return outcome
+        return await _settled(outcome)
 
-    async def decide_headers_deferred(
-        self, headers: Mapping[str, str], now: float, *, record: bool = True
+    async def _decide_head(
+        self, headers: Mapping[str, str], now: float, record: bool
     ) -> Outcome | Waiting | None:
-        """:meth:`decide_headers`, a request queued for budget returned as :class:`Waiting`
-        (as :meth:`decide_deferred`)."""
         runtime = self._runtime.current
         if not runtime.decide_at_headers or runtime.policy.models.enabled:
             # A model-aware fleet places by the body's "model": the body is needed.

@@ -1,8 +1,8 @@
 """The ext_proc servicer: the stream loop and the translation between protobuf and outcomes.
 
-Every decision is the pipeline's (extproc/pipeline/pipeline.py); this module reads Envoy's
-messages into plain headers and bytes, and turns each outcome into the one answer
-extproc/protocol/responses.py builds for it.
+Every decision is the pipeline's, asked through the one exchange it opens per stream
+(extproc/pipeline/exchange.py); this module reads Envoy's messages into plain headers and
+bytes, and turns each outcome into the one answer extproc/protocol/responses.py builds for it.
 
 Envoy keeps the ext_proc stream open for the whole HTTP exchange (normal end, SSE end, client
 abort, upstream abort): the stream ends either as a normal close or as a cancellation, so
@@ -12,6 +12,7 @@ everything held for the request is released in ``finally``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,9 +23,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from extproc import tracing
-from extproc.core.api import BadRequest
-from extproc.pipeline.outcomes import (
+from extproc.pipeline.exchange import (
+    BadRequest,
+    Exchanges,
     ModelList,
+    Modes,
     Outcome,
     Passthrough,
     Rejected,
@@ -32,7 +35,6 @@ from extproc.pipeline.outcomes import (
     Unavailable,
     Waiting,
 )
-from extproc.pipeline.pipeline import Pipeline, inference_api
 from extproc.protocol import responses
 from extproc.protocol.attributes import served_address, served_cluster
 from extproc.protocol.state import StreamState
@@ -115,13 +117,13 @@ async def _wait_or_leave(
 class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(
         self,
-        pipeline: Pipeline,
+        pipeline: Exchanges,
         clock: Callable[[], float] = time.perf_counter,
         wall_clock: Callable[[], float] = time.time,
         reset_linger_s: float = 0.0,
         tracer: Tracer | None = None,
     ) -> None:
-        self.pipeline = pipeline
+        self._exchanges = pipeline
         # Tracing on (tracing.enabled): a decision record per stream, exported by the tracer.
         self._tracer = tracer
         # See ENVOY_RESET_LINGER_S: serve passes it, used only while the runtime says Envoy
@@ -134,14 +136,13 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self._active = 0
         self._metrics.count_streams_of(lambda: self._active)
         self._answers = responses.RouteAnswers()
-        # Per runtime (built again after a reload): the answer to an inference request's
-        # headers while its body is awaited, and the header path's mode override. Both follow
-        # the response phases the runtime reads, a property computed over every class.
-        self._phases_for: object = None
+        # Per runtime (built again after a reload, when the pipeline's modes change): the
+        # answer to an inference request's headers while its body is awaited, and the header
+        # path's mode override. Both follow the response phases the runtime reads.
+        self._phases_for: Modes | None = None
         self._await_body = responses.CONTINUE_HEADERS
         self._await_chunked = responses.CONTINUE_HEADERS
         self._skip = responses.SKIP_REQUEST_BODY[False, False]
-        self._end_when_routed = False
         self._clock = clock
         # The whole phase contract, in one table. Phases we never ask Envoy for (see the
         # processing_mode we render) still get a pass-through answer so a mis-configured
@@ -161,7 +162,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: Any
     ) -> AsyncIterator[ep.ProcessingResponse]:
-        state = StreamState()
+        state = StreamState(self._exchanges.exchange())
         self._active += 1
         requests = aiter(request_iterator)
         if self._tracer is not None:
@@ -213,7 +214,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             # The peer half-closed. A graceful Envoy waits for our status: return now (OK).
             # Otherwise Envoy resets right behind its half-close: wait for that reset to cancel
             # us instead of answering with a status (ENVOY_RESET_LINGER_S).
-            if self._reset_linger_s > 0 and not self.pipeline.runtime.envoy_graceful_close:
+            if self._reset_linger_s > 0 and not state.exchange.modes.graceful_close:
                 await asyncio.sleep(self._reset_linger_s)
         except asyncio.CancelledError:
             # Envoy resets the stream when the client or upstream aborts, and at every end when
@@ -229,13 +230,12 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             if pending is not None:
                 pending.cancel()
             self._active -= 1
-            hold, state.hold = state.hold, None
             if state.trace is not None and self._tracer is not None:
                 self._tracer.close(state.trace)
                 tracing.end(traced)
             # Most exchanges hold nothing (no budget, no affinity): no coroutine for them.
-            if hold is not None and hold.held:
-                await self.pipeline.release(hold)
+            if state.exchange.holds:
+                await state.exchange.release()
 
     @property
     def active(self) -> int:
@@ -278,24 +278,20 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             # BUFFERED is assumed: it is what the rendered filter asks for.
             mode = request.protocol_config.request_body_mode
             state.partial_bodies = mode in _PARTIAL_BODY_MODES
-        api = inference_api(state.headers)
-        if api is not None and not msg.end_of_stream:
-            state.api = api
-            if self.pipeline.decides_at_headers:
-                return await self._decide_at_headers(state)
-            return self._awaiting_body(state)
-        # Not an inference request, or one without a body: decided on the headers alone.
-        state.decided = True
-        outcome = await self.pipeline.decide(state.headers, None, self._clock())
-        return self._answer(state, outcome, responses.CONTINUE_HEADERS)
-
-    async def _decide_at_headers(self, state: StreamState) -> ep.ProcessingResponse | Waiting:
-        """The header path: when the body adds nothing to the decision, decide now and tell
-        Envoy not to send it (one exchange instead of two, no body copy). Otherwise wait for
-        the body, as without the header path. If the filter does not allow the override,
-        Envoy sends the body anyway; it then passes, the request already decided."""
         started = self._clock()
-        outcome = await self.pipeline.decide_headers_deferred(state.headers, started)
+        exchange = state.exchange
+        outcome = await exchange.at_headers(
+            state.headers, started, body_follows=not msg.end_of_stream
+        )
+        if exchange.api is None:
+            # Not an inference request, or one without a body: decided on the headers alone.
+            state.decided = True
+            assert outcome is not None and not isinstance(outcome, Waiting)
+            return self._answer(state, outcome, responses.CONTINUE_HEADERS)
+        # The header path: when the body adds nothing to the decision, it is decided now and
+        # Envoy is told not to send it (one exchange instead of two, no body copy). Otherwise
+        # (None) it waits for the body. If the filter does not allow the override, Envoy sends
+        # the body anyway; it then passes, the request already decided.
         if outcome is None:
             return self._awaiting_body(state)
         state.decided = True
@@ -308,7 +304,7 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
 
     def _awaiting_body(self, state: StreamState) -> ep.ProcessingResponse:
         """The answer to an inference request's headers while its body is awaited."""
-        self._phase_answers()
+        self._phase_answers(state.exchange.modes)
         # A body without a content-length: an HTTP/1.1 chunked upload (Envoy removes the
         # transfer-encoding header before its filters), or an HTTP/2 stream without one.
         if "content-length" not in state.headers:
@@ -316,22 +312,16 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             return self._await_chunked
         return self._await_body
 
-    def _phase_answers(self) -> None:
-        runtime = self.pipeline.runtime
-        if runtime is self._phases_for:
+    def _phase_answers(self, modes: Modes) -> None:
+        if modes is self._phases_for:
             return
-        phases, usage = runtime.response_phases, runtime.inspect_usage
+        phases, usage = modes.response_phases, modes.inspect_usage
         # The override asks for the response phases the processor reads (the rendered filter
         # skips them), as continue_inference_headers does on the body path.
         self._await_body = responses.continue_inference_headers(phases, usage)
         self._await_chunked = responses.continue_inference_headers(phases, usage, chunked=True)
         self._skip = responses.SKIP_REQUEST_BODY[phases, usage]
-        # A routed exchange that reads no response and holds nothing needs its stream no
-        # longer than its answer. Only with Envoy's graceful close: without it Envoy resets
-        # the stream at the exchange's end, and a status sent as that reset arrives is the
-        # grpc.aio leak ENVOY_RESET_LINGER_S avoids.
-        self._end_when_routed = not phases and runtime.envoy_graceful_close
-        self._phases_for = runtime
+        self._phases_for = modes
 
     def _header_answer(self, state: StreamState, outcome: Outcome) -> ep.ProcessingResponse:
         """The answer to the headers message for an outcome decided there."""
@@ -343,14 +333,14 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
             # answers its body message (or its trailers, for a body-less request).
             state.deferred = self._answer(state, outcome, responses.CONTINUE_HEADERS)
             return responses.CONTINUE_HEADERS
-        self._phase_answers()
+        self._phase_answers(state.exchange.modes)
         return self._answer(state, outcome, responses.CONTINUE_HEADERS, self._skip)
 
     async def _on_request_body(
         self, state: StreamState, request: Any
     ) -> ep.ProcessingResponse | Waiting:
-        api = state.api
-        if api is None or state.decided:
+        exchange = state.exchange
+        if exchange.api is None or state.decided:
             deferred, state.deferred = state.deferred, None
             return deferred or responses.CONTINUE_BODY
         msg = request.request_body
@@ -361,30 +351,30 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if not msg.end_of_stream and state.partial_bodies:
             # A STREAMED / BUFFERED_PARTIAL filter sends the body in pieces: deciding on the
             # first one would hash truncated JSON.
-            return responses.bad_request_response(self.pipeline.refuse_partial_body(api))
+            refused = await exchange.at_body(body, started, whole=False)
+            assert isinstance(refused, BadRequest)
+            return responses.bad_request_response(refused)
         # BUFFERED: Envoy sends the body once it is whole, in one message: at the end of the
         # stream, or, when the request has trailers, as they arrive, with end_of_stream=false
         # (the trailers message follows this answer). Either way this is the whole body, and
         # the answer's header mutation and clear_route_cache still route the request.
-        if self.pipeline.wants_request_body():
-            state.body = body
-        outcome = await self.pipeline.decide_deferred(state.headers, body, started)
+        outcome = await exchange.at_body(body, started)
         if isinstance(outcome, Waiting):
             return outcome
         answer = self._answer(state, outcome, responses.CONTINUE_BODY)
-        state.body = None  # answered: a kept body is not held for the whole generation
         if isinstance(outcome, (Routed, Rejected)):
             self._metrics.decision_seconds.observe(self._clock() - started)
         return answer
 
     async def _on_request_trailers(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
-        if state.api is None or state.decided:
+        if state.exchange.api is None or state.decided:
             deferred, state.deferred = state.deferred, None
             return deferred or responses.CONTINUE_TRAILERS
         # Headers, then trailers, and no data: Envoy sends no body message at all, so this is
         # the only chance to answer (the body is empty). An ImmediateResponse here is honoured.
         state.decided = True
-        outcome = await self.pipeline.decide(state.headers, None, self._clock())
+        outcome = await state.exchange.at_body(None, self._clock())
+        assert not isinstance(outcome, Waiting)  # nothing to admit without a body
         return self._answer(state, outcome, responses.CONTINUE_TRAILERS)
 
     def _answer(
@@ -399,29 +389,23 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         if state.trace is not None:
             state.outcome = outcome
         if isinstance(outcome, Routed):
-            state.hold = outcome.hold
-            self._phase_answers()
-            hold = outcome.hold
+            exchange = state.exchange
+            modes = exchange.modes
+            self._phase_answers(modes)
             # Not on the body path: a stream ended before Envoy's half-close left its request
             # message, the whole body in it, to grpc.aio's reference cycles, freed only when
             # the cyclic GC ran (4 / 16 MiB bodies: RSS 120 -> 330 MB, 217 -> 405-905 MB, and
             # the allocator's page faults back; BENCHMARKS.md).
-            state.finished = (
-                self._end_when_routed and skip_body is not None and (hold is None or not hold.held)
-            )
+            state.finished = modes.end_when_routed and skip_body is not None and not exchange.holds
             if state.phases_skipped:
                 self._metrics.response_phases_skipped.labels("chunked_upload").inc()
-            prefiller = outcome.prefill.address if outcome.prefill is not None else None
-            mirror = None
-            if state.body is not None:
-                # SGLang's P/D protocol: the bootstrap fields instead of llm-d's header.
-                mirror = self.pipeline.bootstrap_body(outcome, state.body)
-                state.body, prefiller = None, None
+            # SGLang's P/D protocol: the bootstrap fields (a mirror) instead of llm-d's header.
+            prefiller, mirror = exchange.prefill_signal(outcome)
             if outcome.endpoints is None:
                 return self._answers.route(
                     outcome.route,
                     outcome.facts,
-                    self.pipeline.asks_load_reports,
+                    modes.load_reports,
                     prefiller,
                     outcome.engine_key,
                     skip_body,
@@ -458,35 +442,29 @@ class FleetProcessor(ep_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         return proceed
 
     async def _on_response_headers(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
-        hold = state.hold
-        wanted = self.pipeline.response_headers_wanted(hold)
-        if hold is None or not wanted:
+        exchange = state.exchange
+        wanted = exchange.response_headers
+        if not wanted:
             return responses.CONTINUE_RESPONSE_HEADERS
         found: dict[str, str] = {}
         for h in request.response_headers.headers.headers:
             if h.key in wanted:
                 found[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        pipeline = self.pipeline
-        runtime = pipeline.runtime
         # Envoy names the host that served (response attributes, see attributes.py).
-        served = served_cluster(
-            request.attributes, runtime.cluster_names, pipeline.endpoint_owners()
+        attributes = request.attributes
+        stream, served = await exchange.observe_response(
+            found,
+            self._clock(),
+            functools.partial(served_cluster, attributes),
+            served_address(attributes),
         )
-        stream = pipeline.observe_response(
-            hold, found, self._clock(), served, served_address(request.attributes)
-        )
-        await pipeline.charge_served(hold)
         if state.trace is not None:
-            traced_served(state.trace, hold.served_by or served)
+            traced_served(state.trace, served)
         if stream:
             return responses.STREAM_RESPONSE_HEADERS
         return responses.CONTINUE_RESPONSE_HEADERS
 
     async def _on_response_body(self, state: StreamState, request: Any) -> ep.ProcessingResponse:
-        hold = state.hold
-        if hold is not None:
-            msg = request.response_body
-            await self.pipeline.observe_response_body(
-                hold, msg.body, msg.end_of_stream, self._clock()
-            )
+        msg = request.response_body
+        await state.exchange.observe_response_body(msg.body, msg.end_of_stream, self._clock())
         return responses.CONTINUE_RESPONSE_BODY

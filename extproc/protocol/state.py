@@ -10,16 +10,17 @@ from dataclasses import dataclass, field
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from extproc.core.api import Api
-from extproc.pipeline.outcomes import Hold, Outcome
+from extproc.pipeline.exchange import Exchange, Outcome
 from extproc.tracing import DecisionTrace
 
 
 @dataclass(slots=True)
 class StreamState:
+    # The pipeline's side of the exchange: its decisions, and what the request holds (budget,
+    # in-flight counts, usage scanner) until the stream ends.
+    exchange: Exchange
     request_id: str = ""
     headers: dict[str, str] = field(default_factory=dict)
-    api: Api | None = None  # set only for POSTs to an inference path that carry a body
     decided: bool = False
     # The filter sends request bodies in pieces (its protocol_config says STREAMED,
     # BUFFERED_PARTIAL, FULL_DUPLEX_STREAMED or GRPC): a body message without end_of_stream is then
@@ -30,11 +31,6 @@ class StreamState:
     deferred: ep.ProcessingResponse | None = None
     # Decided at the headers but queued for budget: the wait's outcome answers the headers.
     waits_at_headers: bool = False
-    # What a routed exchange holds (budget, in-flight count, usage scanner) until it ends.
-    hold: Hold | None = None
-    # SGLang's P/D protocol only: the request body, kept until the routing answer rewrites it
-    # (Pipeline.bootstrap_body), then dropped.
-    body: bytes | None = None
     # An HTTP/1.1 chunked upload told to skip the response phases the processor would read
     # (responses.OBSERVE_CHUNKED_UPLOAD): counted once routed.
     phases_skipped: bool = False

@@ -14,7 +14,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from extproc.core.api import Api, BadRequest
 from extproc.names import TRACEPARENT_HEADER
-from extproc.pipeline.outcomes import Outcome, Rejected, Routed, Unavailable
+from extproc.pipeline.exchange import Outcome, Rejected, Routed, Unavailable
 from extproc.protocol.responses import _set
 from extproc.tracing import AttributeValue, DecisionTrace
 

@@ -174,7 +174,7 @@ async def test_cancelled_waiter_leaves_at_once_holding_nothing(memory_pipeline: 
     sid = session_on(pipeline, "c1", "x")
     first = await pipeline.decide(headers(sid), BODY, 1.0)
     assert isinstance(first, Routed)
-    deferred = await pipeline.decide_deferred(headers(sid), BODY, 2.0)
+    deferred = await pipeline.decide(headers(sid), BODY, 2.0, wait=False)
     assert isinstance(deferred, Waiting) and deferred.max_wait_s == 30.0
     task = asyncio.create_task(deferred.resume())
     await asyncio.sleep(0)
@@ -189,7 +189,7 @@ async def test_cancelled_waiter_leaves_at_once_holding_nothing(memory_pipeline: 
     # A Waiting dropped before resume (the stream ended between the two) leaves too.
     blocker = await pipeline.decide(headers(sid), BODY, 3.0)
     assert isinstance(blocker, Routed)
-    dropped = await pipeline.decide_deferred(headers(sid), BODY, 4.0)
+    dropped = await pipeline.decide(headers(sid), BODY, 4.0, wait=False)
     assert isinstance(dropped, Waiting)
     dropped.cancel()
     assert len(gate.waiters) == 0

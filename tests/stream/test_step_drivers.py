@@ -160,7 +160,7 @@ async def test_the_live_driver_and_the_simulators_driver_decide_the_same() -> No
                 await pipeline.release(live_held.pop(0))
                 sim.ledger.release_now(sim_held.pop(0))
             headers, body = request(sid, words)
-            live = await pipeline.decide_deferred(headers, body, clock[0])
+            live = await pipeline.decide(headers, body, clock[0], wait=False)
             facts = parse_request(CHAT, headers, body, runtime.key_rules, runtime.parse_limits)
             assert isinstance(facts, RequestFacts)
             expected, ticket = sim.decide(i, sid, facts)

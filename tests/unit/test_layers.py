@@ -148,6 +148,30 @@ def test_the_core_does_no_io() -> None:
     assert not bad, bad
 
 
+# The protocol shell talks to the pipeline through one seam (the per-exchange object and the
+# decision union it re-exports) and reads no runtime, no ledger: ARCHITECTURE.md, "Layers".
+PROTOCOL_SEAM = "extproc.pipeline.exchange"
+PROTOCOL_FORBIDDEN = ("extproc.pipeline", "extproc.config", "extproc.ledger", "extproc.serve")
+
+
+def _past_the_seam(imports: dict[str, set[str]]) -> dict[str, list[str]]:
+    bad: dict[str, list[str]] = {}
+    for rel, names in imports.items():
+        for name in sorted(names):
+            if name == PROTOCOL_SEAM:
+                continue
+            if any(name == f or name.startswith(f + ".") for f in PROTOCOL_FORBIDDEN):
+                bad.setdefault(rel, []).append(name)
+    return bad
+
+
+def test_the_protocol_imports_only_the_pipelines_seam() -> None:
+    files = sorted((PACKAGE / "protocol").rglob("*.py"))
+    imports = {str(p.relative_to(REPO)): _imports(p) for p in files}
+    assert not _past_the_seam(imports), _past_the_seam(imports)
+    assert any(PROTOCOL_SEAM in names for names in imports.values())
+
+
 def test_the_checks_catch_what_they_check() -> None:
     """The cycle finder, the tooling rule and the import reader work on known cases."""
     assert _cycle({"a": {"b": set()}, "b": {"c": set()}, "c": {"a": set()}}) == [
@@ -161,6 +185,12 @@ def test_the_checks_catch_what_they_check() -> None:
     assert _tooling_imports({"bench": {"pipeline": {"x.py"}}}) == {}
     graph = _graph()
     assert "harness" in graph["bench"] and "pipeline" in graph["protocol"]
+    assert _past_the_seam(
+        {
+            "a.py": {"extproc.pipeline.exchange", "extproc.core.api"},
+            "b.py": {"extproc.pipeline.pipeline", "extproc.config.runtime", "extproc.pipeline"},
+        }
+    ) == {"b.py": ["extproc.config.runtime", "extproc.pipeline", "extproc.pipeline.pipeline"]}
 
 
 def _requirement_names(requirements: list[str] | None) -> list[str]:
