@@ -469,6 +469,18 @@ class Pipeline:
                 ),
                 record,
             )
+        route, kind, view = await self._placement(runtime, facts, route, now, record)
+        prefill = self._choose_prefill(runtime, facts, route, now)
+        if not record:
+            return self._previewed(runtime, api, facts, route, kind, prefill)
+        return await self._admitted(runtime, api, facts, headers, route, kind, view, prefill, now)
+
+    async def _placement(
+        self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool
+    ) -> tuple[Route, Kind, SessionView | None]:
+        """Where the request goes (the class's hash placement as ``route``): affinity's
+        decision, or around an unready primary and, with bounded load or admission's
+        placement, the session memory's."""
         kind: Kind = "primary"
         view: SessionView | None = None
         if runtime.affinity.enabled:
@@ -492,23 +504,47 @@ class Pipeline:
                 # needs to know new sessions from existing ones) all need later turns to
                 # follow a placement: the session memory, without affinity.
                 route, kind, view = await self._follow_override(runtime, facts, route, now, record)
-        prefill = self._choose_prefill(runtime, facts, route, now)
-        if not record:
-            previewed = steps.preview(
-                steps.admission_step(request_tokens(facts), route, None, NO_WAIT)
-            )
-            if isinstance(previewed, Reject):
-                return Rejected(facts, route, kind, previewed)
-            return Routed(
-                facts,
-                route,
-                kind,
-                Hold(api),
-                self._endpoints(runtime, facts, route),
-                prefill,
-                self._engine_key(runtime, facts),
-                engines=self._adapter_engines(runtime, facts, route),
-            )
+        return route, kind, view
+
+    def _previewed(
+        self,
+        runtime: Runtime,
+        api: Api,
+        facts: RequestFacts,
+        route: Route,
+        kind: Kind,
+        prefill: PrefillChoice | None,
+    ) -> Routed | Rejected:
+        """explain's preview of admission (the step, every reservation assumed to have room,
+        nothing written) and of the engine choice; nothing is held."""
+        previewed = steps.preview(steps.admission_step(request_tokens(facts), route, None, NO_WAIT))
+        if isinstance(previewed, Reject):
+            return Rejected(facts, route, kind, previewed)
+        return Routed(
+            facts,
+            route,
+            kind,
+            Hold(api),
+            self._endpoints(runtime, facts, route),
+            prefill,
+            self._engine_key(runtime, facts),
+            engines=self._adapter_engines(runtime, facts, route),
+        )
+
+    async def _admitted(
+        self,
+        runtime: Runtime,
+        api: Api,
+        facts: RequestFacts,
+        headers: Mapping[str, str],
+        route: Route,
+        kind: Kind,
+        view: SessionView | None,
+        prefill: PrefillChoice | None,
+        now: float,
+    ) -> Outcome | Waiting:
+        """The placed request's tenant limits, then its admission (which may place it on a
+        later candidate, queue it, or refuse it), then what a routed request holds."""
         hold = Hold(api, headers.get("x-request-id", ""))
         tenant = self._tenant(runtime, headers, facts)
         if self._tenant_metrics.enabled:

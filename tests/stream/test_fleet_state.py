@@ -274,7 +274,7 @@ class Proc:
     runtime: Runtime
     registry: CollectorRegistry
     stub: Any
-    processor: FleetProcessor
+    pipeline: Pipeline
 
     def sample(self, name: str, **labels: str) -> float:
         return sample(self.registry, name, **labels)
@@ -302,13 +302,14 @@ class Proc:
 async def start() -> AsyncIterator[Callable[..., Any]]:
     servers: list[grpc.aio.Server] = []
     channels: list[grpc.aio.Channel] = []
-    procs: list[FleetProcessor] = []
+    pipelines: list[Pipeline] = []
 
     async def _start(doc: dict[str, Any]) -> Proc:
         runtime = compile_runtime(parse_config(doc))
         registry = CollectorRegistry()
-        processor = FleetProcessor(Pipeline(RuntimeHolder(runtime), Metrics(registry)))
-        procs.append(processor)
+        pipeline = Pipeline(RuntimeHolder(runtime), Metrics(registry))
+        pipelines.append(pipeline)
+        processor = FleetProcessor(pipeline)
         server = grpc.aio.server(options=grpc_options(runtime.config.processor.max_body_bytes))
         ep_grpc.add_ExternalProcessorServicer_to_server(processor, server)
         port = server.add_insecure_port("127.0.0.1:0")
@@ -316,15 +317,15 @@ async def start() -> AsyncIterator[Callable[..., Any]]:
         servers.append(server)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         channels.append(channel)
-        return Proc(runtime, registry, ep_grpc.ExternalProcessorStub(channel), processor)
+        return Proc(runtime, registry, ep_grpc.ExternalProcessorStub(channel), pipeline)
 
     yield _start
     for channel in channels:
         await channel.close()
     for server in servers:
         await server.stop(None)
-    for processor in procs:
-        await processor.pipeline.aclose()
+    for pipeline in pipelines:
+        await pipeline.aclose()
 
 
 def _header_map(pairs: dict[str, str]) -> base_pb2.HeaderMap:
@@ -486,13 +487,13 @@ async def test_inflight_is_counted_for_the_life_of_the_stream(start: Callable[..
     streams = [Exchange(proc) for _ in range(3)]
     for ex in streams:
         assert await ex.route(sid) == "c1"
-    assert proc.processor.pipeline.fleet.load.inflight("c1") == 3
+    assert proc.pipeline.fleet.load.inflight("c1") == 3
     assert proc.sample("fleet_cluster_inflight", cluster="c1") == 3
     for ex in streams:
         await ex.end()
     # The servicer releases in its finally block, which has run once the stream's status is
     # OK (Exchange.end waits for it).
-    assert proc.processor.pipeline.fleet.load.inflight("c1") == 0
+    assert proc.pipeline.fleet.load.inflight("c1") == 0
     assert proc.sample("fleet_cluster_inflight", cluster="c1") == 0
 
 
@@ -512,7 +513,7 @@ async def test_with_affinity_off_no_response_is_read_and_load_is_ignored(
         await ex.end()
     assert proc.sample("fleet_load_reports_total", source="orca") == 0
     assert proc.sample("fleet_route_decisions_total", kind="primary") == 6
-    assert proc.processor.pipeline.fleet.load.inflight("c2") == 0
+    assert proc.pipeline.fleet.load.inflight("c2") == 0
 
 
 async def test_with_affinity_off_response_headers_read_for_usage_ignore_their_load(
@@ -532,7 +533,7 @@ async def test_with_affinity_off_response_headers_read_for_usage_ignore_their_lo
         assert await full_request(proc, new, CRITICAL) == "c2"  # pure hashing, whatever c2 says
     assert proc.sample("fleet_load_reports_total", source="orca") == 0
     assert proc.sample("fleet_route_decisions_total", kind="primary") == 6
-    assert proc.processor.pipeline.fleet.load.inflight("c2") == 0
+    assert proc.pipeline.fleet.load.inflight("c2") == 0
 
 
 async def test_a_response_naming_an_unknown_cluster_is_credited_to_the_chosen_one(
@@ -562,7 +563,7 @@ async def previewed(proc: Proc, sid: str, model: str) -> tuple[str, str]:
     """explain's preview of the request (the live state, nothing recorded): kind, primary."""
     head, body = request_messages(sid, model)
     headers = {h.key: h.raw_value.decode() for h in head.request_headers.headers.headers}
-    outcome = await proc.processor.pipeline.preview(
+    outcome = await proc.pipeline.preview(
         headers, body.request_body.body, time.monotonic()
     )
     assert isinstance(outcome, Routed), outcome
@@ -626,7 +627,7 @@ async def test_without_affinity_a_new_session_over_its_share_spills_and_its_turn
     doc = fleet_doc()
     doc["affinity"] = {}  # the product default: affinity off, the bound on (one replica)
     proc: Proc = await start(doc)
-    pipeline = proc.processor.pipeline
+    pipeline = proc.pipeline
     assert not proc.runtime.affinity.enabled
     assert proc.runtime.affinity.balance_factor == DEFAULT_BALANCE_FACTOR
     piled = [proc.session_on("c2", f"pile{i}") for i in range(3)]
