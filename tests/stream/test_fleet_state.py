@@ -563,9 +563,7 @@ async def previewed(proc: Proc, sid: str, model: str) -> tuple[str, str]:
     """explain's preview of the request (the live state, nothing recorded): kind, primary."""
     head, body = request_messages(sid, model)
     headers = {h.key: h.raw_value.decode() for h in head.request_headers.headers.headers}
-    outcome = await proc.pipeline.preview(
-        headers, body.request_body.body, time.monotonic()
-    )
+    outcome = await proc.pipeline.preview(headers, body.request_body.body, time.monotonic())
     assert isinstance(outcome, Routed), outcome
     shown = explain_outcome(proc.runtime, outcome)
     assert (shown["kind"], shown["primary"]) == (outcome.kind, outcome.route.placement.primary)
