@@ -3,8 +3,10 @@ against a real redis-server long before its lease TTL, whatever Redis did with i
 
 Each stall sends the reserve into a Redis that cannot answer within the 50 ms timeout but
 will run (or drop) the queued command later: ``DEBUG SLEEP`` (Redis busy), ``CLIENT PAUSE``
-(Redis holding clients back) and SIGSTOP (a hung process). The lease TTL here is 30 s; before
-reconciliation such a reserve held budget for the whole TTL.
+(Redis holding clients back) and SIGSTOP (a hung process). Before reconciliation such a
+reserve held budget for its whole lease TTL; here the compartment must settle before any lease
+taken after the stall began could have lapsed (on Redis's own clock): an order of two events,
+reconciliation first, not a bound on how fast the machine is.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -28,9 +31,9 @@ from tests.stream.test_ledger_redis import compartment, gate_for, request, runti
 from tests.support.redis_server import RedisServer
 
 LEASE_TTL_S = 30.0
-# Settling must take a small fraction of the lease TTL (it takes one probe interval after
-# Redis answers again; this bound only absorbs a slow CI machine).
-SETTLE_WITHIN_S = 10.0
+# Against a hang only, past the lease TTL: a reserve that reconciliation missed lapses by then,
+# and before_a_lapse names the failure.
+SETTLE_TIMEOUT_S = 120.0
 
 
 @pytest.fixture
@@ -91,16 +94,41 @@ async def settled(
     limits: Budget,
     gate_unsettled: Callable[[], int],
     expected: tuple[int, int] = (0, 0),
-) -> float:
-    """Seconds until the compartment holds ``expected`` (tokens, requests) in Redis, by
-    default nothing, and the gate has nothing unsettled."""
-    started = time.monotonic()
-    while (await compartment(server, cluster, limits)) != expected or gate_unsettled():
-        assert time.monotonic() - started < SETTLE_WITHIN_S, (
-            "a phantom reservation outlived reconciliation"
-        )
-        await asyncio.sleep(0.02)
-    return time.monotonic() - started
+) -> None:
+    """Until the compartment holds ``expected`` (tokens, requests) in Redis, by default
+    nothing, and the gate has nothing unsettled."""
+    try:
+        async with asyncio.timeout(SETTLE_TIMEOUT_S):
+            while True:
+                if await compartment(server, cluster, limits) == expected and not gate_unsettled():
+                    return
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError("a phantom reservation outlived reconciliation") from None
+
+
+def redis_time(server: RedisServer) -> float:
+    with redis.Redis.from_url(server.url, socket_timeout=30) as probe:
+        seconds, micros = probe.time()
+    return seconds + micros / 1e6
+
+
+def before_a_lapse(server: RedisServer, stalled_at: float) -> None:
+    """The compartment settled before a lease reserved after ``stalled_at`` (Redis time)
+    could have lapsed: reconciliation settled it, not the lease TTL."""
+    now = redis_time(server)
+    assert now < stalled_at + LEASE_TTL_S, "settled by a lease's lapse, not by reconciliation"
+
+
+def unread_by_redis(port: int) -> int:
+    """Bytes clients sent that redis-server has not read yet (its sockets' receive queues)."""
+    unread = 0
+    with open("/proc/net/tcp") as table:
+        for row in table.readlines()[1:]:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":  # ESTABLISHED
+                unread += int(fields[4].split(":")[1], 16)
+    return unread
 
 
 async def warm_up(gate: AdmissionGate, facts: RequestFacts, route: Route) -> None:
@@ -133,6 +161,7 @@ async def test_a_reserve_that_times_out_leaves_no_phantom(server: RedisServer, h
     await warm_up(gate, facts, route)
 
     # Long enough that the admission below surely meets the stall on a busy machine.
+    stalled_at = redis_time(server)
     join = stall(server, how, 1.5)
     try:
         out = await gate.admit(facts, route)
@@ -144,6 +173,7 @@ async def test_a_reserve_that_times_out_leaves_no_phantom(server: RedisServer, h
     # adopted into Redis (counted once, under a lease of its own), and nothing else is held.
     running = (out.ticket.tokens, 1)
     await settled(server, cluster, limits, lambda: gate.unsettled or gate.held_locally, running)
+    before_a_lapse(server, stalled_at)
     assert sample(registry, "fleet_ledger_adopted_total") == 1
     reconciled = sum(
         sample(registry, "fleet_ledger_reconciled_total", result=r)
@@ -165,7 +195,9 @@ async def test_a_reserve_that_times_out_leaves_no_phantom(server: RedisServer, h
     await gate.close()
 
 
-async def test_a_cancelled_admission_leaves_no_phantom(server: RedisServer) -> None:
+async def test_a_cancelled_admission_leaves_no_phantom(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rt = runtime(server.url, budget={"max_concurrent": 4}, lease_ttl_s=LEASE_TTL_S, timeout_ms=3000)
     registry = CollectorRegistry()
     gate = await gate_for(rt, registry, probe_interval_s=0.2)
@@ -174,16 +206,33 @@ async def test_a_cancelled_admission_leaves_no_phantom(server: RedisServer) -> N
     cluster = route.placement.primary
     await warm_up(gate, facts, route)
 
+    reserving = asyncio.Event()
+    reserve = RedisLedger.reserve
+
+    async def reserve_seen(self: RedisLedger, *args: Any, **kwargs: Any) -> Any:
+        reserving.set()
+        return await reserve(self, *args, **kwargs)
+
+    monkeypatch.setattr(RedisLedger, "reserve", reserve_seen)
+    stalled_at = redis_time(server)
     server.pause()
     try:
         task = asyncio.create_task(gate.admit(facts, route))
-        await asyncio.sleep(0.3)  # the reserve is written and waiting for its reply
+        # The reserve is sent and waits for its reply: written to the stopped Redis's socket.
+        async with asyncio.timeout(30):
+            await reserving.wait()
+            while True:
+                if unread_by_redis(server.port):
+                    break
+                await asyncio.sleep(0.005)
+        assert not task.done()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
     finally:
         server.resume()
     await settled(server, cluster, Budget(max_concurrent=4), lambda: gate.unsettled)
+    before_a_lapse(server, stalled_at)
     assert gate.held == 0
     assert (
         sample(registry, "fleet_ledger_reconciled_total", result="phantom_removed")
