@@ -39,9 +39,6 @@ LAYOUT = {
     "c5": ("prefill", "nvl-c", "ib-2"),
     "c6": ("prefill", "nvl-d", "ib-2"),
 }
-# How long after a prefiller's death the processor may still name it: one prober round (1 s)
-# plus its timeout (0.5 s), with slack for a loaded machine.
-DETECTION_S = 4.0
 ISLAND = {name: island for name, (_, _, island) in LAYOUT.items()}
 NVLINK_PEER = {"c1": "c3", "c2": "c5"}
 
@@ -259,14 +256,35 @@ def test_the_prefill_budget_answers_429_with_hints_and_leaves_decode_alone(
     assert results == [200] * 4
 
 
+def marked_not_ready_at(stack: FleetStack, name: str, since: float) -> float | None:
+    """When every processor had logged ``name``'s endpoint not ready (its prober's round that
+    saw it gone), after ``since``: log times, wall clock, to the millisecond (rounded: one more
+    is added); None while one has not."""
+    endpoint = f"127.0.0.1:{stack.sim_specs[name].port}"
+    marks = []
+    for proc in stack.procs:
+        seen = [
+            float(entry["ts"])
+            for line in proc.log_text().splitlines()
+            if '"endpoint readiness changed"' in line
+            and (entry := json.loads(line))["ts"] > since
+            and endpoint in entry["not_ready"]
+        ]
+        if not seen:
+            return None
+        marks.append(min(seen) + 0.001)
+    return max(marks)
+
+
 def kill_prefiller_under_load(
     stack: FleetStack, make_client: MakeClient
-) -> tuple[float, list[tuple[float, int, str]]]:
+) -> tuple[float, float, list[tuple[float, int, str]]]:
     """Two clients loop over three sessions each, one decoded on c1, one on c2; c3 (a prefill
     cluster of c1's island) is killed mid-load, and the load goes on until 30 requests sent
-    after the processor's detection window were prefilled on c4. Returns the kill time and,
-    per request of c1's client, (sent at, status, prefiller: x-prefilled-by, or colocated
-    without it); the other client's requests must all be 200.
+    after every processor marked c3 not ready were prefilled on c4. Returns the kill time, the
+    time of that mark and, per request of c1's client, (sent at, status, prefiller:
+    x-prefilled-by, or colocated without it), all wall clock; the other client's requests must
+    all be 200.
 
     One client per island: with two clients on c1 (so on c4 alone after the kill), one run
     got 429s from c4's prefill budget (2 in flight; 13 of 759 requests, load ~15), not from
@@ -283,7 +301,7 @@ def kill_prefiller_under_load(
         turn = 0
         while not stop.is_set():
             for sid in sids:
-                started = time.monotonic()
+                started = time.time()
                 status, hdrs, _ = client.post_json(
                     CHAT, body(long_text(sid, turn % 3)), {"x-session-id": sid}
                 )
@@ -301,15 +319,20 @@ def kill_prefiller_under_load(
         t.start()
     try:
         wait_until(lambda: len(records) >= 20, 30, "load running")
-        killed_at = time.monotonic()
+        killed_at = time.time()
         stack.sims["c3"].kill()
         # The processor's prober (1 s rounds) sees c3 gone; from then on prefill moves to c4,
         # the other prefill cluster of c1's island.
         wait_until(
-            lambda: (
-                sum(1 for t, s, p in records if t > killed_at + DETECTION_S and p == "c4") >= 30
-            ),
-            30,
+            lambda: marked_not_ready_at(stack, "c3", killed_at) is not None,
+            60,
+            "the processors to mark c3 not ready",
+        )
+        down_at = marked_not_ready_at(stack, "c3", killed_at)
+        assert down_at is not None
+        wait_until(
+            lambda: sum(1 for t, s, p in records if t > down_at and p == "c4") >= 30,
+            60,
             "prefill moved to c4",
         )
     finally:
@@ -317,24 +340,25 @@ def kill_prefiller_under_load(
         for t in threads:
             t.join(30)
     assert others and set(others) == {200}, collections.Counter(others)
-    return killed_at, list(records)
+    return killed_at, down_at, list(records)
 
 
 def test_a_prefill_endpoint_killed_under_load_fails_no_request(
     pd_fleet: FleetStack, make_client: MakeClient
 ) -> None:
-    killed_at, records = kill_prefiller_under_load(pd_fleet, make_client)
+    killed_at, down_at, records = kill_prefiller_under_load(pd_fleet, make_client)
     statuses = collections.Counter(s for _, s, _ in records)
     # Requests the sidecar sent to c3 before the processor knew it was gone: llm-d's sidecar
     # falls back to decode-only when the prefill call fails with anything but a client error
     # (a dial error is its reverse proxy's 502), so the decode engine prefills them itself:
     # one generation each, and the client sees a normal answer.
     assert dict(statuses) == {200: sum(statuses.values())}, statuses
-    after = [p for t, _, p in records if t > killed_at + DETECTION_S]
+    # Every request sent after the processors marked c3 not ready was prefilled on c4.
+    after = [p for t, _, p in records if t > down_at]
     assert after and set(after) == {"c4"}, collections.Counter(after)
-    # Decode-only answers only for requests sent before the prober's round saw c3 down.
+    # Decode-only answers only for requests sent before that mark.
     fell_back = [t for t, _, p in records if p == COLOCATED]
-    assert all(t < killed_at + DETECTION_S for t in fell_back), (killed_at, fell_back)
+    assert all(t <= down_at for t in fell_back), (killed_at, down_at, fell_back)
     print(f"prefill kill under load: {dict(statuses)}, decode-only fallbacks: {len(fell_back)}")
     pd_fleet.restart_sim("c3")
 
@@ -350,9 +374,9 @@ def test_a_dead_sglang_prefiller_fails_only_what_was_sent_before_detection(
     mirror is chosen once per request. What the processor owes: the first such failure marks
     the prefiller down (as its prober would a round later), so only requests paired with it
     before that answer came back fail: here one client drives c1's island, so at most one."""
-    killed_at, records = kill_prefiller_under_load(sglang_fleet, make_client)
-    before = [(t, s, p) for t, s, p in records if t <= killed_at + DETECTION_S]
-    after = [(t, s, p) for t, s, p in records if t > killed_at + DETECTION_S]
+    killed_at, down_at, records = kill_prefiller_under_load(sglang_fleet, make_client)
+    before = [(t, s, p) for t, s, p in records if t <= down_at]
+    after = [(t, s, p) for t, s, p in records if t > down_at]
     failed = [(t - killed_at, s) for t, s, _ in records if s != 200]
     # Failures are the protocol's limit: the request in flight on c3 at the kill, or the
     # first one paired with it after. Only 500s: nothing else breaks.
@@ -365,7 +389,8 @@ def test_a_dead_sglang_prefiller_fails_only_what_was_sent_before_detection(
     print(
         f"sglang prefill kill under load: {len(records)} requests, "
         f"{sum(1 for _, s, _ in before if s == 200)} ok / {len(failed)} failed (500) of "
-        f"{len(before)} sent before kill + {DETECTION_S} s (last failure sent at +{window:.2f} s), "
+        f"{len(before)} sent before c3 was marked not ready (+{down_at - killed_at:.2f} s; "
+        f"last failure sent at +{window:.2f} s), "
         f"{len(after)} after: all 200 on c4"
     )
     sglang_fleet.restart_sim("c3")
