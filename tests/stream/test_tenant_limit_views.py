@@ -199,8 +199,8 @@ async def test_a_tenant_refused_at_the_head_of_the_queue_is_counted_as_such(
         blocker = await pipeline.decide(headers(session_on(pipeline, "c1", "x"), "t0"), BODY, 1.0)
         assert isinstance(blocker, Routed) and blocker.route.placement.primary == "c1"
         # t1 waits on c1 (its tenant has nothing in flight yet) ...
-        waiting = await pipeline.decide_deferred(
-            headers(session_on(pipeline, "c1", "w"), "t1"), BODY, 2.0
+        waiting = await pipeline.decide(
+            headers(session_on(pipeline, "c1", "w"), "t1"), BODY, 2.0, wait=False
         )
         assert isinstance(waiting, Waiting)
         task = asyncio.create_task(waiting.resume())
