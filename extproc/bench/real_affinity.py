@@ -16,11 +16,23 @@ Per arm: the engines' own prefix-cache hit ratio over the arm (``vllm:prefix_cac
 / ``vllm:prefix_cache_queries_total`` deltas), the prompt tokens they evaluated (the prefill
 compute actually spent: queries minus hits) and the time to the first streamed token, p50 and
 p99, as the client saw it. The figures are ratios of one run on one machine; rerun to compare.
+
+Beside each arm, the *ideal* hit ratio of its own trace: one engine with an infinite prefix cache
+serving the arm's requests in the order they were sent. It needs no other engine run: each
+request's prompt is tokenized by the running engine (vLLM's ``/tokenize``, the same chat
+template), and the cache is replayed as vLLM's keeps it (:func:`ideal_hits`): full blocks of
+``block_size`` tokens (from ``vllm:cache_config_info``) chained from the prompt's start, a hit
+never covering the prompt's last token. Only prompt blocks are held: the blocks of a reply count
+when a later prompt repeats them, which it does here (each turn's prompt carries the previous
+reply), but vLLM also keeps the reply's own generated blocks, which a later prompt hits only
+when its tokenization of the reply is the same ids; an engine can so score a little above this
+ideal.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import statistics
 import time
@@ -48,6 +60,53 @@ class ArmResult:
     evaluated_prompt_tokens: float
     ttft_p50_s: float
     ttft_p99_s: float
+    # One infinite cache serving the arm's requests in order (see the module docstring).
+    ideal_cached_ratio: float = 0.0
+
+
+def ideal_hits(prompts: Sequence[Sequence[int]], block_size: int) -> tuple[int, int]:
+    """(hits, queries) of one infinite prefix cache serving ``prompts`` (token ids) in order, as
+    vLLM counts them: a prompt queries all its tokens and hits its leading full blocks already
+    cached (a block is its tokens and every token before it), at most the blocks before its
+    last token (that one is always computed); then every full block of it is cached."""
+    cached: set[tuple[int, ...]] = set()
+    hits = queries = 0
+    for prompt in prompts:
+        queries += len(prompt)
+        blocks = [tuple(prompt[: (i + 1) * block_size]) for i in range(len(prompt) // block_size)]
+        usable = max(0, len(prompt) - 1) // block_size
+        hit = 0
+        while hit < usable and blocks[hit] in cached:
+            hit += 1
+        hits += hit * block_size
+        cached.update(blocks)
+    return hits, queries
+
+
+def _block_size(port: int) -> int:
+    _status, body = http_get(port, "/metrics", timeout=10.0)
+    for line in body.decode().splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            for label in line[line.index("{") + 1 : line.rindex("}")].split(","):
+                name, _eq, value = label.partition("=")
+                if name.strip() == "block_size":
+                    return int(value.strip().strip('"'))
+    raise RuntimeError("vllm:cache_config_info names no block_size")
+
+
+def _tokens(port: int, model: str, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    payload = {"model": model, "messages": list(messages), "add_generation_prompt": True}
+    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=60.0)
+    try:
+        conn.request("POST", "/tokenize", json.dumps(payload), {"content-type": "application/json"})
+        response = conn.getresponse()
+        status, body = response.status, response.read()
+    finally:
+        conn.close()
+    if status != 200:
+        raise RuntimeError(f"/tokenize answered {status}: {body[:200]!r}")
+    tokens = json.loads(body)["tokens"]
+    return [int(t) for t in tokens]
 
 
 def _counter(port: int, name: str) -> float:
@@ -92,6 +151,7 @@ def run_arm(
     )
     ports = [p for group in engines.values() for p in group]
     ttfts: list[float] = []
+    sent: list[list[dict[str, str]]] = []  # every request's messages, in the order sent
     with stack:
         client = openai.OpenAI(
             base_url=f"http://{LOOPBACK}:{stack.listener_port}/v1",
@@ -110,6 +170,7 @@ def run_arm(
             ]
             for turn in range(turns):
                 for messages in history:
+                    sent.append(list(messages))
                     started = time.perf_counter()
                     first: float | None = None
                     text = []
@@ -131,6 +192,7 @@ def run_arm(
             hits1, queries1 = _counters(ports)
         finally:
             client.close()
+    ideal, asked = ideal_hits([_tokens(ports[0], model, m) for m in sent], _block_size(ports[0]))
     hits, queries = hits1 - hits0, queries1 - queries0
     return ArmResult(
         arm=arm,
@@ -139,6 +201,7 @@ def run_arm(
         evaluated_prompt_tokens=queries - hits,
         ttft_p50_s=statistics.median(ttfts),
         ttft_p99_s=_percentile(ttfts, 0.99),
+        ideal_cached_ratio=ideal / asked if asked else 0.0,
     )
 
 
@@ -198,10 +261,15 @@ def run(args: argparse.Namespace) -> int:
             ports, workdir, "tiny", args.conversations, args.turns, args.max_tokens, arms
         )
     print(f"2 vLLM engines ready in {ready_s:.0f} s")
-    print(f"{'arm':<12} {'requests':>8} {'cached':>7} {'evaluated':>10} {'ttft p50':>9} {'p99':>7}")
+    print(
+        f"{'arm':<12} {'requests':>8} {'cached':>7} {'ideal':>6} {'of ideal':>8}"
+        f" {'evaluated':>10} {'ttft p50':>9} {'p99':>7}"
+    )
     for r in results:
+        share = r.cached_ratio / r.ideal_cached_ratio if r.ideal_cached_ratio else 0.0
         print(
-            f"{r.arm:<12} {r.requests:>8} {r.cached_ratio:>7.3f} {r.evaluated_prompt_tokens:>10.0f}"
+            f"{r.arm:<12} {r.requests:>8} {r.cached_ratio:>7.3f} {r.ideal_cached_ratio:>6.3f}"
+            f" {share:>7.2f}x {r.evaluated_prompt_tokens:>10.0f}"
             f" {r.ttft_p50_s:>8.3f}s {r.ttft_p99_s:>6.3f}s"
         )
     if args.json:

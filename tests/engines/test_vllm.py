@@ -454,6 +454,10 @@ def test_prefix_affinity_caches_more_than_round_robin_on_the_same_engines(
     # prompt is cached there. The processor keeps the conversation where its history is.
     assert ours.cached_ratio > rr.cached_ratio, (rr, ours)
     assert ours.evaluated_prompt_tokens < rr.evaluated_prompt_tokens, (rr, ours)
+    # The ideal (one infinite cache over the arm's own trace, tokenized by the engine) bounds
+    # round robin's, and the processor comes closer to it.
+    assert 0 < rr.cached_ratio <= rr.ideal_cached_ratio, rr
+    assert rr.ideal_cached_ratio - rr.cached_ratio > ours.ideal_cached_ratio - ours.cached_ratio
 
 
 # -- 7. SIGKILL ---------------------------------------------------------------------------------
