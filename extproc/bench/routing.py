@@ -82,7 +82,7 @@ DEFAULT_TRACE = (
 # prompts for 30 s, i.e. ~15 requests that each need 7.5 s of prefill on a 20K tokens/s cluster.
 DEFAULT_BURST = "40,30,0.5,150000"
 # Speedups that keep each run to about a minute of wall time on a 2-core machine.
-DEFAULT_SPEEDUP = {"trace": 20.0, "synthetic": 4.0, "layout": 4.0}
+DEFAULT_SPEEDUP = {"trace": 20.0, "synthetic": 4.0, "layout": 4.0, "tenant-flood": 4.0}
 # The simulator's own default KV capacity; auto-sizing never goes below it.
 SIM_DEFAULT_KV = ClusterParams().kv_capacity_tokens
 # Targets for set-up 3 (from the issue).
@@ -827,7 +827,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help=f"Mooncake-format JSONL trace (default when no --workload: {DEFAULT_TRACE})",
     )
-    source.add_argument("--workload", choices=["synthetic"], help="the built-in synthetic mix")
+    source.add_argument(
+        "--workload",
+        choices=["synthetic", "tenant-flood"],
+        help="the built-in synthetic mix, or one tenant's flood beside 20 steady tenants in the "
+        "long class, one arm per flow.fairness (extproc/bench/routing_tenants.py)",
+    )
     source.add_argument(
         "--layout",
         choices=LAYOUTS,
@@ -927,6 +932,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the extproc set-up's prefix key (chain: the default; opening: the old key)",
     )
     add_layout_arguments(parser)
+    from extproc.bench import routing_tenants
+
+    routing_tenants.add_arguments(parser)
     synthetic = parser.add_argument_group("synthetic workload")
     synthetic.add_argument("--workload-duration", type=float, default=120.0)
     synthetic.add_argument("--chat-rate", type=float, default=1.5, help="chat sessions per s")
@@ -976,6 +984,10 @@ def _progress(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workload == "tenant-flood":
+        from extproc.bench import routing_tenants
+
+        return routing_tenants.run(args, DEFAULT_SPEEDUP["tenant-flood"])
     try:
         if args.engines_per_cluster < 1:
             raise ValueError("--engines-per-cluster must be >= 1")

@@ -319,7 +319,11 @@ class _Runner:
         self.start = 0.0
 
     def headers_for(self, request: ReplayRequest) -> dict[str, str]:
-        headers = {"content-type": "application/json", **self.options.headers}
+        headers = {
+            "content-type": "application/json",
+            **self.options.headers,
+            **dict(request.headers),
+        }
         if request.api == "anthropic-messages":
             headers.setdefault("anthropic-version", ANTHROPIC_VERSION)
         if request.send_session_header and request.session_id:

@@ -46,6 +46,8 @@ class ReplayRequest:
     input_tokens: int
     stream: bool
     max_tokens: int
+    # Headers of this request alone (e.g. its API key), on top of ReplayOptions.headers.
+    headers: tuple[tuple[str, str], ...] = ()
 
     def materialize(self) -> Mapping[str, Any]:
         return self.body() if callable(self.body) else self.body
