@@ -536,7 +536,7 @@ def _fairness_table(reports: Mapping[str, dict[str, Any]]) -> list[str]:
 
 
 def _waits_table(reports: Mapping[str, dict[str, Any]]) -> list[str]:
-    results = ("admitted", "timeout", "too_long", "overflow", "cancelled")
+    results = ("admitted", "timeout", "too_long", "overflow", "cancelled", "tenant_limit")
     lines = [
         "| arm | " + " | ".join(results) + " | mean wait ms |",
         "|---|" + "---|" * (len(results) + 1),
