@@ -18,6 +18,10 @@ Time: the simulated clusters run ``1/speedup`` times real time (``--time-scale``
 fast as the replay compresses arrivals, so each cluster sees the load it would see at real
 speed. Latencies are wall-clock milliseconds as the client saw them; multiply by the speedup for
 simulated time (the proxies' own cost, ~1-2 ms, is not compressed).
+
+``--workload tenant-flood`` is another comparison: one tenant's flood beside 20 steady tenants
+in the long class, Envoy + the processor once per ``flow.fairness``
+(extproc/bench/routing_tenants.py).
 """
 
 from __future__ import annotations
