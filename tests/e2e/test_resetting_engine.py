@@ -25,9 +25,8 @@ from tests.e2e.predict import PURE_HASH, placement_for
 CHAT = "/v1/chat/completions"
 # The detector runs once per 1 s outlier interval and ejects after an interval with two
 # resets, so how many requests are sent first depends on how fast the machine answers them
-# (hundreds on a loaded machine, thousands on an idle one): the loop is bounded in time and,
-# as every load loop here, in count.
-EJECT_WITHIN_S = 120.0
+# (hundreds on a loaded machine, thousands on an idle one): the loop runs until the ejection,
+# bounded in count (and by pytest's timeout) against a detector that never ejects.
 MAX_REQUESTS = 50_000
 
 
@@ -82,27 +81,27 @@ def test_an_engine_that_resets_every_request_is_ejected(
     _admin(fleet, primary, "POST", "/admin/fault", orjson.dumps({"mode": "reset"}))
     outcomes: list[str] = []
     started = time.monotonic()
-    ejected_after_s = None
     try:
         for _ in range(MAX_REQUESTS):
-            if time.monotonic() - started > EJECT_WITHIN_S:
-                break
             code, hdrs, data = client.post_json(CHAT, body, headers)
             if code == 200:
                 assert hdrs["x-served-by"] == secondary, dump_logs(fleet)
-                ejected_after_s = time.monotonic() - started
                 outcomes.append("secondary")
                 break
             assert code == 503 and b"reset before headers" in data, (code, data[:200])
             outcomes.append("reset")
+        ejected_after_s = time.monotonic() - started
+        # Read before the fault is lifted: the one ejection is the failure percentage's.
+        ejections = fleet.envoy_stat(stat)
     finally:
         _admin(fleet, primary, "POST", "/admin/fault", orjson.dumps({"mode": "none"}))
     print(
-        f"\nresetting engine: out of rotation after {ejected_after_s} s, "
+        f"\nresetting engine: out of rotation after {ejected_after_s:.2f} s, "
         f"{outcomes.count('reset')} requests reset first"
     )
-    assert outcomes[-1] == "secondary", (outcomes, dump_logs(fleet))
-    assert fleet.envoy_stat(stat) >= 1
+    assert outcomes[-1] == "secondary", (outcomes[-5:], len(outcomes), dump_logs(fleet))
+    assert outcomes.count("reset") >= 2  # the detector's volume: two requests
+    assert ejections == 1
     # Outlier detection took it out, not the health check: /health kept passing, so the host's
     # only flag is the outlier check's.
     flags = _health_flags(fleet, primary, address)
