@@ -16,7 +16,7 @@ from collections.abc import Callable
 from random import Random
 
 from extproc.core.admission import Attempt, Reject, Ticket, verdict
-from extproc.core.flow import FairQueue, QueueVerdict, WaitPolicy
+from extproc.core.flow import FairClaim, FairQueue, QueueVerdict, WaitPolicy
 from extproc.core.queue_policy import queue_refusal, queue_verdict
 from extproc.ledger.memory import MemoryLedger
 from extproc.pipeline.step import GiveBack, JoinQueue, Need, QueueDepth, Reserve, Step
@@ -32,7 +32,15 @@ class SimAdmission:
     check-and-reserve (or a look), a queue is a :class:`FairQueue` of request numbers, a
     placement is remembered by the caller's policy when the request starts."""
 
-    __slots__ = ("_ledger", "_on_give_back", "_on_queued", "_request", "_rng", "queues")
+    __slots__ = (
+        "_claim_of",
+        "_ledger",
+        "_on_give_back",
+        "_on_queued",
+        "_request",
+        "_rng",
+        "queues",
+    )
 
     def __init__(
         self,
@@ -40,11 +48,15 @@ class SimAdmission:
         rng: Random,
         on_queued: Callable[[int, Compartment, int, WaitPolicy], None],
         on_give_back: Callable[[Ticket], None],
+        claim_of: Callable[[int], FairClaim] | None = None,
     ) -> None:
         self._ledger = ledger
         self._rng = rng
         self._on_queued = on_queued
         self._on_give_back = on_give_back
+        # A request's claim on the fair order (its tenant, weight and cost, as the processor's
+        # FlowParams.claim makes it); None: one shared tenant at unit cost.
+        self._claim_of = claim_of
         self._request = 0
         self.queues: dict[Compartment, FairQueue[int]] = {}
 
@@ -89,7 +101,13 @@ class SimAdmission:
         if decision is QueueVerdict.WAIT:
             if q is None:
                 q = self.queues[key] = FairQueue()
-            qid = q.push(self._request, "", 1.0, demand.tokens)
+            if self._claim_of is None:
+                qid = q.push(self._request, "", 1.0, demand.tokens)
+            else:
+                claim = self._claim_of(self._request)
+                qid = q.push(
+                    self._request, claim.tenant, claim.weight, demand.tokens, service=claim.service
+                )
             self._on_queued(self._request, key, qid, need.wait)
             return QUEUED
         return queue_refusal(

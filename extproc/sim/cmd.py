@@ -89,7 +89,12 @@ def _workload_arguments(parser: argparse.ArgumentParser) -> None:
     """The traffic: a trace, the synthetic workload or a layout, and its size."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace")
-    source.add_argument("--workload", choices=["synthetic"], help="built-in synthetic workload")
+    source.add_argument(
+        "--workload",
+        choices=["synthetic", "tenant-flood"],
+        help="built-in synthetic workload, or tenant-flood: one tenant's flood beside 20 steady"
+        " tenants in the long class, each fairness order side by side (extproc.sim.flood)",
+    )
     source.add_argument(
         "--layout",
         choices=list(LAYOUTS),
@@ -105,6 +110,12 @@ def _workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout-conversations", type=int, default=400)
     parser.add_argument(
         "--synthetic-duration", type=float, default=120.0, help="synthetic workload length (s)"
+    )
+    parser.add_argument(
+        "--flood-seconds",
+        type=float,
+        default=600.0,
+        help="tenant-flood: requests arriving from 60 s (the warm-up) to this are measured",
     )
     parser.add_argument(
         "--sessions",
@@ -380,6 +391,10 @@ def options_from(args: argparse.Namespace) -> SimOptions:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.workload == "tenant-flood":
+        from extproc.sim import flood
+
+        return flood.run(args)
     started = time.monotonic()
     options = options_from(args)
     try:

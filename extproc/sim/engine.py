@@ -35,7 +35,7 @@ import numpy.typing as npt
 
 from extproc.core.endpoints import DEFAULT_BALANCE, DEFAULT_MIN_INFLIGHT
 from extproc.core.fleet import RequestClass
-from extproc.core.flow import WaitPolicy
+from extproc.core.flow import FlowParams, WaitPolicy
 from extproc.sim.engines import EngineSpill
 from extproc.sim.events import Event, Kind, validate
 from extproc.sim.model import ClusterSpec
@@ -162,6 +162,10 @@ class SimConfig:
     waits: Mapping[str, WaitPolicy] = field(default_factory=default_waits)
     # Disaggregated prefill/decode (extproc.sim.pd): roles, and the processor's compiled plan.
     pd: PdSim | None = None
+    # The processor's fair order among tenants (fleet.yaml flow:, its tenant header and
+    # fairness), for traffic that names tenants (Traffic.t_tenant); None: every waiter is one
+    # shared tenant at unit cost.
+    flow: FlowParams | None = None
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ import numpy as np
 from extproc.core.admission import Admitted, Demand, Reject, Ticket, plan, verdict
 from extproc.core.decide import Route
 from extproc.core.fleet import RequestClass
-from extproc.core.flow import WaitPolicy
+from extproc.core.flow import FairClaim, WaitPolicy
 from extproc.core.placement import Placement
 from extproc.ledger.memory import MemoryLedger
 from extproc.pipeline import step as steps
@@ -49,6 +49,7 @@ from extproc.sim.engines import EngineCluster, cluster_state
 from extproc.sim.events import Kind
 from extproc.sim.policies import Candidates, FleetView, Policy, make_policy
 from extproc.sim.prefill import Prefill, PrefillLeg
+from extproc.sim.tenants import claims_for
 
 
 class FailureLog:
@@ -269,7 +270,15 @@ class Simulation:
         self.retry_rng = retry_rng
         # The request being decided, for the needs its steps yield.
         self._attempt, self._now = 0, 0.0
-        self.driver = SimAdmission(self.ledger, retry_rng, self._on_queued, self._on_give_back)
+        # Traffic naming tenants under a fair order (config.flow): each template's claim, and
+        # per ticket of a request served through its queue, the output its tenant is charged
+        # when it ends (the processor charges only requests that waited).
+        self.claims: list[FairClaim] | None = claims_for(traffic, config.flow)
+        self.charges: dict[Ticket, tuple[Compartment, FairClaim, float]] = {}
+        claim_of = self._claim_of if self.claims is not None else None
+        self.driver = SimAdmission(
+            self.ledger, retry_rng, self._on_queued, self._on_give_back, claim_of
+        )
         self.queues = self.driver.queues
         self.pd = PrefillLeg(self, config.pd) if config.pd is not None else None
         self.pd_classes = config.pd.disaggregated if config.pd is not None else frozenset()
@@ -287,6 +296,19 @@ class Simulation:
 
     def _on_give_back(self, ticket: Ticket) -> None:
         self.give_back(ticket, self._now)
+
+    def _claim_of(self, i: int) -> FairClaim:
+        assert self.claims is not None
+        return self.claims[self.templates[i]]
+
+    def _charge(self, ticket: Ticket) -> None:
+        """A request served through its queue ended: its tenant is charged its output there."""
+        found = self.charges.pop(ticket, None)
+        if found is not None:
+            key, claim, service = found
+            q = self.queues.get(key)
+            if q is not None:
+                q.charge(claim.tenant, service, claim.weight)
 
     def refuse(self, i: int, refusal: Reject, attempt: int, now: float) -> None:
         """A 429 the client retries after its hint (up to ``max_retries``), else the answer."""
@@ -326,6 +348,11 @@ class Simulation:
                 self.out.status[head] = NO_CLUSTER
                 self.ledger.release_now(answer.ticket)
                 continue
+            if self.claims is not None and self.config.flow is not None:
+                claim = self.claims[self.templates[head]]
+                out_tokens = self.t_out[self.templates[head]]
+                service = self.config.flow.output_service(out_tokens)
+                self.charges[answer.ticket] = (key, claim, service)
             self.start(head, serve_c, answer.ticket, now, attempt)
 
     def release_until(self, t: float) -> None:
@@ -343,6 +370,8 @@ class Simulation:
             self.clock = rel_t
             assert isinstance(ticket, Ticket)
             self.ledger.release_now(ticket)
+            if self.charges:
+                self._charge(ticket)
             if self.queued:
                 self.drain((ticket.cluster, ticket.class_name), rel_t)
 
@@ -352,6 +381,7 @@ class Simulation:
         assert isinstance(ticket, Ticket)
         self.clock = now
         self.ledger.release_now(ticket)
+        self.charges.pop(ticket, None)  # it never ran: nothing served, nothing charged
         if self.queued:
             self.drain((ticket.cluster, ticket.class_name), now)
 

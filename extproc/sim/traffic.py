@@ -62,6 +62,9 @@ class BaseTraffic:
     # Counted over the generator's own conversations, whatever the key groups; None: unknown
     # (a trace), taken as n_keys.
     spread_keys: int | None = None
+    # Per request: the tenant the edge names in the trusted tenant header (flow.tenant_header);
+    # None: no tenants (every waiter is one shared tenant, as without the header).
+    tenants: tuple[str, ...] | None = None
 
     @property
     def period(self) -> float:
@@ -254,6 +257,8 @@ class Traffic:
     n_sessions: int
     n_trace_sessions: int
     bursts: tuple[BurstSpec, ...]
+    # Per template: its tenant's name (BaseTraffic.tenants; "" for burst requests), or None.
+    t_tenant: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.times)
@@ -356,6 +361,9 @@ def expand(
         n_sessions=len(labels),
         n_trace_sessions=copies * base.n_sessions,
         bursts=tuple(bursts),
+        t_tenant=(
+            None if base.tenants is None else [*base.tenants, *[""] * (len(t_keys) - len(base))]
+        ),
     )
 
 
