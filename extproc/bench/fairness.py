@@ -30,7 +30,6 @@ from extproc.bench.fairness_stats import jain, pct
 from extproc.core.admission import Demand, Ticket
 from extproc.core.fleet import Budget
 from extproc.core.flow import Fairness, FairQueue, FlowParams, TenantLimit
-from extproc.harness.fairness_stats import jain, pct
 from extproc.ledger.memory import MemoryLedger
 from extproc.ledger.tenant_limits import TenantLimits, TenantSlot
 

@@ -38,9 +38,9 @@ from pathlib import Path
 from random import Random
 from typing import Any
 
+from extproc.bench.fairness_stats import jain, pct
 from extproc.core.fleet import Budget, RequestClass
 from extproc.core.flow import Fairness, FlowParams
-from extproc.harness.fairness_stats import jain, pct
 from extproc.harness.prompts import BLOCK_TOKENS
 from extproc.sim.engine import GAVE_UP_429, SERVED, PolicyRun, SimConfig, prepare, run_policy
 from extproc.sim.model import ClusterSpec, FleetShape, build_fleet

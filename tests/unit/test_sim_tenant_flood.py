@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from extproc.bench.fairness_stats import jain
 from extproc.cli import main
 from extproc.core import tenants as core_tenants
 from extproc.core.flow import Fairness, FairQueue, FlowParams
-from extproc.harness.fairness_stats import jain
 from extproc.sim import flood
 from extproc.sim.engine import SERVED, SimConfig, prepare, run_policy
 from extproc.sim.tenants import claims_for, tenant_key
