@@ -192,7 +192,7 @@ class ProcessorConfig(Strict):
         default=True,
         description="The Envoy in front closes each ext_proc stream gracefully (runtime flag "
         "envoy.reloadable_features.ext_proc_graceful_grpc_close, which the rendered configs "
-        "set). Set false for an Envoy without the flag: the processor then waits up to 50 ms "
+        "set). Set false for an Envoy without the flag: the processor then waits up to 1 s "
         "per stream for Envoy's reset, about 300 us of CPU per request.",
     )
 

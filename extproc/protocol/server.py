@@ -78,7 +78,10 @@ def _header_map(headers: Any) -> dict[str, str]:
 #   lets the reset end the call instead, through grpc.aio's cancellation path; through Envoy
 #   1.40 that still leaves ~42 B per stream (RELIABILITY.md), which is why the graceful close
 #   is the default. A peer that half-closes and waits for the status gets it this much later.
-ENVOY_RESET_LINGER_S = 0.05
+#   The reset normally arrives within a millisecond and ends the wait at once; the bound is
+#   Envoy's own remote-close timeout, so a starved loop that reads the reset late still takes
+#   the cancellation path rather than the leaking one.
+ENVOY_RESET_LINGER_S = 1.0
 
 
 async def _wait_or_leave(
