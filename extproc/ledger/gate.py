@@ -161,6 +161,8 @@ class AdmissionGate:
         self._limits_seen: dict[tuple[str, str], Budget] = {}
         self._series_cache: dict[tuple[str, str, str], _Series] = {}
         self._renewer: asyncio.Task[None] | None = None
+        # Set when the background loop has work sooner than its current sleep would allow.
+        self._nudge = asyncio.Event()
         self._toucher: asyncio.Task[None] | None = None
         self._adopting: asyncio.Task[None] | None = None
         # One adoption at a time: two would write two Redis copies of one reservation.
@@ -662,6 +664,7 @@ class AdmissionGate:
         if len(self._unsettled) < MAX_UNSETTLED:
             self._unsettled[lease] = (cluster, class_name, tenant)
             self._m.unsettled.set(len(self._unsettled))
+            self._nudge.set()
 
     async def _flush_unsettled(self, shared: RedisLedger, only: list[str] | None = None) -> None:
         leases = [
@@ -895,6 +898,7 @@ class AdmissionGate:
     def _redis_failed(self, op: str, exc: Exception) -> None:
         self._m.redis_errors.labels(op).inc()
         self._health.failed(self._clock())
+        self._nudge.set()
         suppressed = self._throttle.allow("redis_down")
         if suppressed is not None:
             log.warning(
@@ -976,14 +980,30 @@ class AdmissionGate:
         if self._health.up:
             self._adopt_soon()  # a run cut short by a failure, or a change seen with no loop
 
+    def _loop_wait(self) -> float:
+        """Until the next renewal is due; while Redis is down or something waits to be
+        settled, at most one probe interval."""
+        wait = self._renew_due_in()
+        if self._unsettled or not self._health.up:
+            wait = min(wait, self._health.probe_interval_s)
+        return max(0.005, wait)
+
+    async def _sleep_until_due(self) -> None:
+        """Sleep :meth:`_loop_wait`; a nudge (a cancel left to settle, Redis found down)
+        shortens the sleep to what is due now, and never lengthens it: a stream of failures
+        cannot keep postponing the tick."""
+        deadline = self._clock() + self._loop_wait()
+        while (left := deadline - self._clock()) > 0:
+            self._nudge.clear()
+            try:
+                await asyncio.wait_for(self._nudge.wait(), left)
+            except TimeoutError:
+                return
+            deadline = min(deadline, self._clock() + self._loop_wait())
+
     async def _renew_loop(self) -> None:
         while True:
-            # Sleep until the next renewal is due; while Redis is down or something waits to
-            # be settled, wake every probe interval too.
-            wait = self._renew_due_in()
-            if self._unsettled or not self._health.up:
-                wait = min(wait, self._health.probe_interval_s)
-            await asyncio.sleep(max(0.005, wait))
+            await self._sleep_until_due()
             try:
                 await self.tick()
             except Exception:

@@ -195,6 +195,37 @@ async def test_a_reserve_that_times_out_leaves_no_phantom(server: RedisServer, h
     await gate.close()
 
 
+async def test_a_long_lease_does_not_delay_reconciliation(server: RedisServer) -> None:
+    """With an hour's lease the renewal is 20 minutes away; the reserve that timed out in a
+    hung Redis is still settled (and the locally admitted request adopted) within probe
+    intervals of Redis answering, before any renewal ran: the failure itself wakes the
+    background loop."""
+    rt = runtime(server.url, budget={"max_concurrent": 4}, lease_ttl_s=3600.0, timeout_ms=50)
+    registry = CollectorRegistry()
+    gate = await gate_for(rt, registry, probe_interval_s=0.2)
+    facts = request(rt)
+    route = rt.policy.route(facts)
+    cluster = route.placement.primary
+    limits = route.request_class.budget.resolved()
+    await warm_up(gate, facts, route)
+    renewals = sample(registry, "fleet_ledger_redis_seconds_count", op="renew")
+
+    join = stall(server, "sigstop", 1.5)
+    try:
+        out = await gate.admit(facts, route)
+        assert isinstance(out, Admitted) and out.ticket.store == "memory"
+    finally:
+        await asyncio.to_thread(join)
+
+    running = (out.ticket.tokens, 1)
+    await settled(server, cluster, limits, lambda: gate.unsettled or gate.held_locally, running)
+    assert sample(registry, "fleet_ledger_redis_seconds_count", op="renew") == renewals
+    assert sample(registry, "fleet_ledger_adopted_total") == 1
+    await gate.release(out.ticket)
+    await settled(server, cluster, limits, lambda: gate.unsettled)
+    await gate.close()
+
+
 async def test_a_cancelled_admission_leaves_no_phantom(
     server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
