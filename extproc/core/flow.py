@@ -381,10 +381,23 @@ class FairQueue(Generic[T]):
                 tokens += other.cost
         return n, tokens
 
+    def ahead_for(self, tenant: str) -> tuple[int, int]:
+        """(waiters, their tokens) a waiter of ``tenant`` joining now would be served after:
+        those whose tag is at most the tag it would get (ties go to the earlier arrival).
+        Under FIFO every tag is V, so that is every waiter; under weighted fairness a tenant
+        arriving behind another tenant's backlog follows only the part of it tagged no later
+        than its own start, not the whole queue."""
+        tag = self.tag_for(tenant)
+        n = tokens = 0
+        for other in self._ids.values():
+            if other.tag <= tag:
+                n += 1
+                tokens += other.cost
+        return n, tokens
+
     def place_for(self, tenant: str) -> int:
         """How many live waiters a waiter of ``tenant`` joining now would be served after."""
-        tag = self.tag_for(tenant)
-        return sum(1 for other in self._ids.values() if other.tag <= tag)
+        return self.ahead_for(tenant)[0]
 
     def __iter__(self) -> Iterator[T]:
         """Live waiters in service order."""

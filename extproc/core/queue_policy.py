@@ -1,8 +1,10 @@
 """Flow control's wait-or-refuse policy: what happens to a request its budget just refused.
 
 Pure. The shell (extproc/ledger/gate.py for the live processor, extproc/sim/admission.py for
-the simulator) asks the ledger, counts the waiters ahead, and then follows these answers; it
-decides nothing itself (ARCHITECTURE.md, "Flow control"):
+the simulator) asks the ledger, counts the waiters a newcomer would follow in the queue's order
+(:meth:`extproc.core.flow.FairQueue.ahead_for`: under fair order, not a flooding tenant's whole
+backlog), and then follows these answers; it decides nothing itself (ARCHITECTURE.md, "Flow
+control"):
 
 - :func:`queue_verdict`: join the (cluster, class) queue, or refuse now: the class does not
   wait, the refusal is one a wait cannot cure (a 413, the ``closed`` policy's 503, a request
@@ -36,13 +38,18 @@ def queue_verdict(
     policy: WaitPolicy,
     ahead: int,
     ahead_tokens: int,
+    *,
+    queued: int | None = None,
 ) -> QueueVerdict:
     """Whether a request whose ``demand`` the ledger refused (``refused``, from ``answer``;
-    None: no ledger answered) waits behind ``ahead`` queued requests holding ``ahead_tokens``.
+    None: no ledger answered) waits behind the ``ahead`` queued requests holding
+    ``ahead_tokens`` that it would follow in the queue's order, in a queue of ``queued``
+    waiters in all (None: ``ahead``, as in a FIFO queue), which ``max_queue`` bounds.
     ``NO_WAIT``: the refusal stands as it is."""
     if answer is None or refused.status != 429 or refused.reason is Reason.LOCAL_SHARE:
         return QueueVerdict.NO_WAIT
-    return queue_decision(policy, ahead, queued_wait(demand, answer, ahead, ahead_tokens))
+    estimate = queued_wait(demand, answer, ahead, ahead_tokens)
+    return queue_decision(policy, ahead if queued is None else queued, estimate)
 
 
 def queue_refusal(
@@ -54,14 +61,17 @@ def queue_refusal(
     ahead: int,
     ahead_tokens: int,
     rng: Random,
+    *,
+    queued: int | None = None,
 ) -> Reject:
     """The answer to a request flow control does not queue (``decision`` is not WAIT): the
     ledger's refusal when the class does not wait, else a 429 whose hint counts the requests
-    ahead and whose message says why it was not queued."""
+    it would have followed and whose message says why it was not queued (``queued``: the
+    queue's whole length; None: ``ahead``)."""
     if decision is QueueVerdict.NO_WAIT or decision is QueueVerdict.WAIT or answer is None:
         return refused
     why = (
-        f"{ahead} requests already wait for it"
+        f"{ahead if queued is None else queued} requests already wait for it"
         if decision is QueueVerdict.OVERFLOW
         else f"the estimated wait exceeds its class's max_wait_s of {policy.max_wait_s:g}s"
     )
@@ -71,14 +81,22 @@ def queue_refusal(
 
 
 def flow_outlook(
-    demand: Demand, answer: LedgerAnswer, policy: WaitPolicy, queued: int, queued_tokens: int
+    demand: Demand,
+    answer: LedgerAnswer,
+    policy: WaitPolicy,
+    ahead: int,
+    ahead_tokens: int,
+    *,
+    queued: int | None = None,
 ) -> tuple[str, float]:
     """(``admit`` | ``wait`` | ``too_long`` | ``overflow`` | ``no_wait``, the estimated wait
-    in seconds) for ``demand`` on a compartment the ledger sees as ``answer`` with ``queued``
-    waiters holding ``queued_tokens``."""
-    estimate = queued_wait(demand, answer, queued, queued_tokens)
-    if not queued and queued_wait(demand, answer) == 0:
+    in seconds) for ``demand`` on a compartment the ledger sees as ``answer``, behind the
+    ``ahead`` waiters holding ``ahead_tokens`` it would follow, in a queue of ``queued``
+    waiters in all (None: ``ahead``)."""
+    whole = ahead if queued is None else queued
+    estimate = queued_wait(demand, answer, ahead, ahead_tokens)
+    if not whole and queued_wait(demand, answer) == 0:
         would = "admit"
     else:
-        would = queue_decision(policy, queued, estimate).value
+        would = queue_decision(policy, whole, estimate).value
     return would, bounded_wait(estimate)

@@ -399,16 +399,19 @@ class AdmissionGate:
         counter.inc()
 
     async def flow_preview(
-        self, cluster: str, request_class: RequestClass, tokens: int
+        self, cluster: str, request_class: RequestClass, tokens: int, tenant: str
     ) -> dict[str, object]:
-        """What flow control would do with a request of ``tokens`` on (cluster, class) now:
-        ``admit``, ``wait`` (with the estimated wait), or refuse (``too_long``, ``overflow``,
-        ``no_wait``: the class does not wait); reserves nothing (for ``explain``)."""
+        """What flow control would do with a request of ``tenant`` of ``tokens`` on (cluster,
+        class) now: ``admit``, ``wait`` (with the wait estimated for the waiters it would
+        follow), or refuse (``too_long``, ``overflow``, ``no_wait``: the class does not wait);
+        reserves nothing (for ``explain``)."""
         budget = request_class.budget
         policy = request_class.wait
-        queued, queued_tokens = self.waiters.ahead(cluster, request_class.name)
+        queued = self.waiters.depth(cluster, request_class.name)
+        ahead, ahead_tokens = self.waiters.ahead(cluster, request_class.name, tenant)
         out: dict[str, object] = {
             "queued": queued,
+            "ahead": ahead,
             "max_wait_s": policy.max_wait_s,
             "max_queue": policy.max_queue,
         }
@@ -417,9 +420,9 @@ class AdmissionGate:
         demand = Demand(cluster, request_class.name, tokens, budget, budget.resolved())
         answer = await self.peek(demand)
         if self.mode == "redis":  # the fleet-wide queue
-            queued, queued_tokens = answer.queued, answer.queued_tokens
-            out["queued"] = queued
-        would, estimate = flow_outlook(demand, answer, policy, queued, queued_tokens)
+            queued, ahead, ahead_tokens = answer.queued, answer.queued, answer.queued_tokens
+            out["queued"] = out["ahead"] = queued
+        would, estimate = flow_outlook(demand, answer, policy, ahead, ahead_tokens, queued=queued)
         return {**out, "would": would, "estimated_wait_s": round(estimate, 3)}
 
     @property
@@ -436,28 +439,35 @@ class AdmissionGate:
     ) -> Queued | Reject:
         """After a refused ``attempt`` of ``demand``: join its queue, or the 429 to answer now
         (the class does not wait, the queue is full, or the estimated wait is too long: the
-        hint is then that estimate, counting the requests queued ahead), for the caller to
-        count (:meth:`count_reject`) as the request's one refusal.
+        hint is then that estimate), for the caller to count (:meth:`count_reject`) as the
+        request's one refusal. The estimate counts the waiters the request would follow in
+        the queue's order (under fair order, not another tenant's whole backlog: its tag
+        would precede most of it); ``max_queue`` bounds the whole queue.
 
         With Redis the queue is fleet-wide (queue.lua): its length, its order and the
-        requests ahead count every replica's waiters; this replica's waiters keep that order
-        locally. With Redis unreachable it is this replica's own queue."""
+        requests ahead count every replica's waiters (the estimate counts all of them: the
+        fleet-wide tags are not read here); this replica's waiters keep that order locally.
+        With Redis unreachable it is this replica's own queue."""
         reject = attempt.outcome
         assert isinstance(reject, Reject)
         answer = attempt.answer
         key = (demand.cluster, demand.class_name)
         shared = self._shared if self.mode == "redis" else None  # then the answer is Redis's
-        ahead, ahead_tokens = self.waiters.ahead(*key)
+        queued = self.waiters.depth(*key)
+        ahead, ahead_tokens = self.waiters.ahead(*key, claim.tenant)
         if shared is not None and answer is not None:
-            ahead, ahead_tokens = answer.queued, answer.queued_tokens
-        decision = queue_verdict(reject, attempt.demand, answer, policy, ahead, ahead_tokens)
+            queued, ahead, ahead_tokens = answer.queued, answer.queued, answer.queued_tokens
+        decision = queue_verdict(
+            reject, attempt.demand, answer, policy, ahead, ahead_tokens, queued=queued
+        )
         joined: Joined | None = None
         if decision is QueueVerdict.WAIT and shared is not None:
             # None when Redis failed: this replica's queue alone.
             joined = await self._join_shared(shared, demand, claim, policy)
             if joined is not None and not joined.joined:
-                decision, ahead, ahead_tokens = (
+                decision, queued, ahead, ahead_tokens = (
                     QueueVerdict.OVERFLOW,
+                    joined.ahead,
                     joined.ahead,
                     joined.ahead_tokens,
                 )
@@ -479,7 +489,15 @@ class AdmissionGate:
         if decision is not QueueVerdict.NO_WAIT:
             self._m.waits.labels(demand.class_name, decision.value).inc()
         return queue_refusal(
-            decision, reject, attempt.demand, answer, policy, ahead, ahead_tokens, self._rng
+            decision,
+            reject,
+            attempt.demand,
+            answer,
+            policy,
+            ahead,
+            ahead_tokens,
+            self._rng,
+            queued=queued,
         )
 
     async def _join_shared(

@@ -81,11 +81,11 @@ class Waiters:
         queue = self._queues.get((cluster, class_name))
         return len(queue) if queue is not None else 0
 
-    def ahead(self, cluster: str, class_name: str) -> tuple[int, int]:
-        """(waiters, their tokens) a request joining now would be behind (an upper bound
-        under weighted fairness: a heavier tenant may be served before some of them)."""
+    def ahead(self, cluster: str, class_name: str, tenant: str) -> tuple[int, int]:
+        """(waiters, their tokens) a request of ``tenant`` joining now would be served after,
+        under the queue's order (:meth:`FairQueue.ahead_for`)."""
         queue = self._queues.get((cluster, class_name))
-        return (len(queue), queue.tokens) if queue is not None else (0, 0)
+        return queue.ahead_for(tenant) if queue is not None else (0, 0)
 
     def position(self, waiter: Waiter) -> tuple[int, int]:
         queue = self._queues.get(waiter.key)

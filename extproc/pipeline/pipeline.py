@@ -927,6 +927,10 @@ class Pipeline:
             gate.count_reject(outcome)
         return outcome  # type: ignore[no-any-return]
 
+    def tenant_key(self, headers: Mapping[str, str], facts: RequestFacts) -> str:
+        """The key (keyed label) of the request's tenant, as its fair queue knows it."""
+        return self._tenant(self._runtime.current, headers, facts).key
+
     async def tenant_view(
         self, headers: Mapping[str, str], facts: RequestFacts, cluster: str, class_name: str
     ) -> dict[str, object]:

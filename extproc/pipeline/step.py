@@ -118,20 +118,25 @@ def admission_step(
     tenant: TenantClaim | None = None,
 ) -> Step:
     """Admit ``tokens`` on ``route``'s primary; else, when ``elsewhere`` is given (a new
-    session, flow control placing), on the first of its routes with room (remembered);
-    else wait or refuse (``wait``: the class's wait policy). ``tenant``: counted (and its own
-    limits checked) in the same reservations; a refusal by those limits is answered at once."""
+    session, flow control placing), on the first of its routes with room and nobody waiting
+    (remembered); else wait or refuse (``wait``: the class's wait policy). ``tenant``: counted
+    (and its own limits checked) in the same reservations; a refusal by those limits is
+    answered at once.
+
+    A compartment with waiters is only looked at on the primary (the request joins behind
+    them) and skipped as a placement: the budget a release frees there is its queue's head's,
+    not a newcomer's from another cluster."""
     planned = plan(tokens, route, tenant)
     if planned is None or isinstance(planned, Reject):
         return planned  # unbudgeted, or a 413 no budget could ever admit
-    look = wait.enabled and (yield QueueDepth(planned.cluster, planned.class_name)) > 0
+    look = yield from _has_waiters(planned, wait)
     attempt: Attempt = yield Reserve(planned, look)
     if isinstance(attempt.outcome, Admitted) or attempt.outcome.reason in TENANT_REASONS:
         return attempt.outcome
     if elsewhere is not None and attempt.outcome.status == 429:
         for candidate in elsewhere():
             demand = plan(tokens, candidate, tenant)
-            if not isinstance(demand, Demand):
+            if not isinstance(demand, Demand) or (yield from _has_waiters(demand, wait)):
                 continue
             tried: Attempt = yield Reserve(demand)
             if isinstance(tried.outcome, Admitted):
@@ -140,6 +145,15 @@ def admission_step(
             if tried.outcome.reason in TENANT_REASONS:
                 return tried.outcome
     return (yield JoinQueue(planned, attempt, wait))
+
+
+def _has_waiters(demand: Demand, wait: WaitPolicy) -> Generator[Need, Any, bool]:
+    """Whether requests wait on ``demand``'s compartment (never, when its class does not
+    wait)."""
+    if not wait.enabled:
+        return False
+    depth: int = yield QueueDepth(demand.cluster, demand.class_name)
+    return depth > 0
 
 
 def prefill_step(tokens: int, route: Route, held: Ticket | None) -> Step:

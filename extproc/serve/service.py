@@ -277,8 +277,9 @@ class Service:
                 str(result["primary"]), cls.name, cls.budget
             )
             assert isinstance(outcome, Routed)
+            tenant = self.pipeline.tenant_key(request_headers(path, headers), outcome.facts)
             result["flow_on_primary"] = await self.gate.flow_preview(
-                str(result["primary"]), cls, request_tokens(outcome.facts)
+                str(result["primary"]), cls, request_tokens(outcome.facts), tenant
             )
             result["tenant"] = await self.pipeline.tenant_view(
                 request_headers(path, headers), outcome.facts, str(result["primary"]), cls.name

@@ -96,20 +96,28 @@ class SimAdmission:
         assert isinstance(refused, Reject)
         key = (demand.cluster, demand.class_name)
         q = self.queues.get(key)
-        ahead, ahead_tokens = (len(q), q.tokens) if q is not None else (0, 0)
-        decision = queue_verdict(refused, demand, answer, need.wait, ahead, ahead_tokens)
+        claim = FairClaim("") if self._claim_of is None else self._claim_of(self._request)
+        queued = len(q) if q is not None else 0
+        ahead, ahead_tokens = q.ahead_for(claim.tenant) if q is not None else (0, 0)
+        decision = queue_verdict(
+            refused, demand, answer, need.wait, ahead, ahead_tokens, queued=queued
+        )
         if decision is QueueVerdict.WAIT:
             if q is None:
                 q = self.queues[key] = FairQueue()
-            if self._claim_of is None:
-                qid = q.push(self._request, "", 1.0, demand.tokens)
-            else:
-                claim = self._claim_of(self._request)
-                qid = q.push(
-                    self._request, claim.tenant, claim.weight, demand.tokens, service=claim.service
-                )
+            qid = q.push(
+                self._request, claim.tenant, claim.weight, demand.tokens, service=claim.service
+            )
             self._on_queued(self._request, key, qid, need.wait)
             return QUEUED
         return queue_refusal(
-            decision, refused, demand, answer, need.wait, ahead, ahead_tokens, self._rng
+            decision,
+            refused,
+            demand,
+            answer,
+            need.wait,
+            ahead,
+            ahead_tokens,
+            self._rng,
+            queued=queued,
         )

@@ -233,6 +233,60 @@ async def test_estimated_wait_beyond_max_is_refused_at_once(memory_pipeline: Any
     assert gate.held == 0
 
 
+@pytest.mark.parametrize("fairness", ["tokens", "requests", "fifo"])
+async def test_a_steady_tenant_behind_a_flood_waits_instead_of_being_refused(
+    fairness: str,
+) -> None:
+    """A flooding tenant fills the queue as far as its own estimated wait allows; a steady
+    tenant arriving behind it would follow only the flood's head under fair order, so its
+    estimate fits and it waits, and is served right after that head. Under FIFO it would
+    follow every flood waiter: refused at once as too long."""
+    d = doc(wait_s=5.0)
+    d["flow"]["fairness"] = fairness
+    now = [100.0]  # the gate's clock, still: the release rate seen is one release, ~1/s
+    runtime = compile_runtime(parse_config(d))
+    registry = CollectorRegistry()
+    gate = build_gate(runtime, registry, lambda: now[0], random.Random(1))
+    await gate.start()
+    pipeline = Pipeline(RuntimeHolder(runtime), Metrics(registry), gate)
+    try:
+        sid = session_on(pipeline, "c1", "f")
+        warm = await pipeline.decide(headers(sid, "flood"), BODY, 0.0)
+        assert isinstance(warm, Routed)
+        await pipeline.release(warm.hold)
+        first = await pipeline.decide(headers(sid, "flood"), BODY, 1.0)
+        assert isinstance(first, Routed)
+        flood: list[Waiting] = []
+        while True:
+            outcome = await pipeline.decide(headers(sid, "flood"), BODY, 2.0, wait=False)
+            if not isinstance(outcome, Waiting):
+                break
+            flood.append(outcome)
+        assert isinstance(outcome, Rejected) and "estimated wait exceeds" in outcome.reject.message
+        assert len(flood) >= 3  # the flood queued several, up to its own estimate
+        steady = await pipeline.decide(headers(sid, "steady"), BODY, 3.0, wait=False)
+        if fairness == "fifo":
+            assert isinstance(steady, Rejected)
+            assert "estimated wait exceeds" in steady.reject.message
+        else:
+            assert isinstance(steady, Waiting)
+            served = [asyncio.create_task(w.resume()) for w in (flood[0], steady)]
+            await pipeline.release(first.hold)
+            head = await asyncio.wait_for(served[0], timeout=10)
+            assert isinstance(head, Routed)
+            await pipeline.release(head.hold)
+            after = await asyncio.wait_for(served[1], timeout=10)
+            assert isinstance(after, Routed)  # next after the flood's head, as estimated
+            await pipeline.release(after.hold)
+        for waiting in flood:
+            waiting.cancel()
+        if fairness == "fifo":
+            await pipeline.release(first.hold)
+        assert gate.held == 0 and len(gate.waiters) == 0
+    finally:
+        await gate.close()
+
+
 async def wait_until(check: Any) -> None:
     """Poll ``check`` until true, bounded (10 s: the machine may be loaded)."""
     async with asyncio.timeout(10.0):

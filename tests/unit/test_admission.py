@@ -32,10 +32,12 @@ from extproc.core.admission import (
     verdict,
 )
 from extproc.core.api import Api
+from extproc.core.decide import Route
 from extproc.core.facts import RequestFacts
 from extproc.core.fleet import Budget, effective_burst
 from extproc.core.flow import TenantLimit, WaitPolicy
 from extproc.core.keys import KeySource, hash_key
+from extproc.core.placement import Placement
 from extproc.core.ratelimit_headers import format_duration, rate_limit_headers
 from extproc.pipeline import step as steps
 
@@ -522,3 +524,54 @@ def test_a_tenants_refusal_is_answered_at_once_not_placed_elsewhere_or_queued() 
     step = steps.admission_step(100, route, lambda: [route], WaitPolicy(30.0, 8), claim)
     assert steps.drive(step, perform) is tenant_429
     assert [type(n).__name__ for n in needs] == ["QueueDepth", "Reserve"]
+
+
+def _full_or_room(queued: dict[str, int], room: set[str], needs: list[object]) -> Any:
+    """A fake perform: ``queued`` waiters per cluster, budget free only on ``room``."""
+
+    def perform(need: object) -> object:
+        needs.append(need)
+        if isinstance(need, steps.QueueDepth):
+            return queued.get(need.cluster, 0)
+        if isinstance(need, steps.Reserve):
+            demand = need.demand
+            if demand.cluster in room and not need.look:
+                ticket = Ticket(demand.cluster, demand.class_name, demand.tokens, "t", "memory")
+                return Attempt(Admitted(demand, ticket, CompartmentUsage()), demand, None)
+            full = Reject(429, demand.class_name, demand.cluster, "full", Reason.CONCURRENCY)
+            return Attempt(full, demand, None)
+        if isinstance(need, steps.JoinQueue):
+            return "queued"
+        return None
+
+    return perform
+
+
+def test_a_new_session_is_not_placed_on_a_cluster_whose_queue_has_waiters() -> None:
+    """Placement takes another cluster's free budget only where nobody waits for it: a
+    cluster with waiters is skipped (its freed budget is its queue head's), the next one
+    without waiters is taken; with waiters everywhere the request queues on its primary."""
+    short = fleet().policy.route(facts(100)).request_class
+    route = Route(Placement("c1", None), short)
+    others = [Route(Placement(c, None), short) for c in ("c2", "c3")]
+    wait = WaitPolicy(30.0, 8)
+
+    needs: list[object] = []
+    perform = _full_or_room({"c2": 3}, {"c2", "c3"}, needs)
+    outcome = steps.drive(steps.admission_step(100, route, lambda: others, wait), perform)
+    assert isinstance(outcome, steps.Placed) and outcome.route.placement.primary == "c3"
+    reserved = [n.demand.cluster for n in needs if isinstance(n, steps.Reserve)]
+    assert reserved == ["c1", "c3"]
+
+    needs.clear()
+    perform = _full_or_room({"c2": 3, "c3": 1}, {"c2", "c3"}, needs)
+    outcome = steps.drive(steps.admission_step(100, route, lambda: others, wait), perform)
+    assert outcome == "queued"
+    assert not any(isinstance(n, steps.RememberPlacement) for n in needs)
+
+    # A class that does not wait has no queues to respect: the first with room is taken.
+    needs.clear()
+    perform = _full_or_room({}, {"c2", "c3"}, needs)
+    outcome = steps.drive(steps.admission_step(100, route, lambda: others, WaitPolicy()), perform)
+    assert isinstance(outcome, steps.Placed) and outcome.route.placement.primary == "c2"
+    assert not any(isinstance(n, steps.QueueDepth) for n in needs)

@@ -121,6 +121,31 @@ def test_a_tenant_that_was_away_starts_at_the_least_counter_still_waiting() -> N
     assert [q.pop() for _ in range(5)] == ["late0", "busy3", "late1", "busy4", "late2"]
 
 
+@pytest.mark.parametrize("fairness", [Fairness.TOKENS, Fairness.REQUESTS, Fairness.FIFO])
+def test_a_newcomer_behind_a_flood_counts_only_the_waiters_it_would_follow(
+    fairness: Fairness,
+) -> None:
+    """The wait estimate's count: under fair order a tenant arriving behind another tenant's
+    200 waiters follows only the flood's waiters tagged no later than its own start (its
+    head), not all 200; under FIFO it follows every one of them."""
+    flow = FlowParams(fairness=fairness)
+    q: FairQueue[str] = FairQueue()
+    for i in range(200):
+        claim = flow.claim("flood", None, 50_000)
+        q.push(f"f{i}", claim.tenant, claim.weight, 50_000, service=claim.service)
+    n, tokens = q.ahead_for("steady")
+    if fairness is Fairness.FIFO:
+        assert (n, tokens) == (200, 200 * 50_000)
+    else:
+        assert (n, tokens) == (1, 50_000)  # the flood's head: its tag is V, like the newcomer's
+    # The estimate names the newcomer's actual place: pushed, it is served after exactly n.
+    claim = flow.claim("steady", None, 1_000)
+    seq = q.push("s0", claim.tenant, claim.weight, 1_000, service=claim.service)
+    assert q.ahead_of(seq) == (n, tokens)
+    # The flooding tenant's own next request follows its whole backlog under any order.
+    assert q.ahead_for("flood")[0] == 201
+
+
 def test_fifo_is_arrival_order() -> None:
     flow = FlowParams(fairness=Fairness.FIFO)
     q: FairQueue[str] = FairQueue()
