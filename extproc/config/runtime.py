@@ -125,7 +125,7 @@ class Runtime:
     max_sessions: int = 1_000_000
     # Relief (extproc.core.relief): when a hot cluster's least active sessions move. Set when
     # gpu_health watches a GPU, or for KV pressure (kv_relief_at). None: nothing is watched.
-    gpu_relief: ReliefParams | None = None
+    relief: ReliefParams | None = None
     # With affinity off and engine_metrics on: the scraped KV use (affinity.kv_migrate_threshold)
     # at which a cluster is hot (no new sessions, relieved as for a GPU). None: not watched.
     kv_relief_at: float | None = None
@@ -284,7 +284,7 @@ def compile_runtime(
             )
         ),
         max_sessions=cfg.affinity.max_sessions,
-        gpu_relief=gpu_relief(cfg),
+        relief=relief_params(cfg),
         kv_relief_at=kv_relief_at(cfg),
         served_by_header=served,
         pd=pd_plan(cfg, classes),
@@ -459,7 +459,7 @@ def kv_relief_at(cfg: FleetConfig) -> float | None:
     return cfg.affinity.kv_migrate_threshold
 
 
-def gpu_relief(cfg: FleetConfig) -> ReliefParams | None:
+def relief_params(cfg: FleetConfig) -> ReliefParams | None:
     """When a hot cluster's least active sessions move (gpu_health's pace, also for KV
     pressure), or None when neither a GPU nor, with affinity off, KV use is watched."""
     gh = cfg.gpu_health

@@ -5,6 +5,7 @@ from __future__ import annotations
 from extproc.config.runtime import Runtime
 from extproc.core.api import BadRequest
 from extproc.names import EVERY_ENDPOINT_CLUSTER
+from extproc.pipeline.fleet_state import LoadTable
 from extproc.pipeline.outcomes import (
     ModelList,
     Outcome,
@@ -146,6 +147,12 @@ def explain_engine(runtime: Runtime, outcome: Routed) -> dict[str, object]:
             "cluster_engines": engines,
         }
     return {"chosen_by": "envoy round robin", "cluster_engines": engines}
+
+
+def hot_candidates(load: LoadTable, order: list[str], now: float) -> dict[str, str]:
+    """The candidates that take no new sessions at ``now``, with why: a GPU verdict
+    (gpu_health) or ``kv_cache`` (KV use at affinity.kv_migrate_threshold, affinity off)."""
+    return {c: reason for c in order if (reason := load.hot_reason(c, now)) is not None}
 
 
 def request_headers(path: str, headers: dict[str, str]) -> dict[str, str]:

@@ -496,7 +496,7 @@ class Pipeline:
                 route = self._around_unready(runtime, facts, route, record)
             if (
                 runtime.affinity.balance_factor > 0
-                or runtime.gpu_relief is not None
+                or runtime.relief is not None
                 or (runtime.flow.place_new_sessions and route.request_class.budget.enforced)
             ):
                 # Bounded-load placement of new sessions, GPU health (new sessions avoid a hot
@@ -1104,7 +1104,7 @@ class Pipeline:
             view = await fleet.view(facts, hashed.primary, now, params, record=record, hot=False)
         balance = params.balance_half_life_s if params.balance_factor > 0 else None
         hot: frozenset[str] = frozenset()
-        if runtime.gpu_relief is not None:
+        if runtime.relief is not None:
             hot = fleet.load.hot(now)
             view = self._relief_view(runtime, facts, view, hashed.primary, now, record)
         ranked: list[str] = []
@@ -1194,7 +1194,7 @@ class Pipeline:
             self._decisions += 1
         with trace_phase("session_lookup"):
             view = await fleet.view(facts, ranked[0], now, params, salt, record=record)
-        if runtime.gpu_relief is not None:
+        if runtime.relief is not None:
             view = self._relief_view(runtime, facts, view, ranked[0], now, record)
         balance = params.balance_half_life_s if params.balance_factor > 0 else None
         snapshot = fleet.load.snapshot(ranked, now, self._ready_clusters(runtime), balance)
@@ -1222,7 +1222,7 @@ class Pipeline:
         it is on (its override's, else its hash primary), which is hot: its GPUs are over a
         threshold, or its KV use at kv_relief_at (extproc.core.relief); a cluster found cool
         ends its spell."""
-        relief = runtime.gpu_relief
+        relief = runtime.relief
         override = view.override
         if relief is None or not (view.seen or override is not None):
             return view
@@ -1250,7 +1250,7 @@ class Pipeline:
         if decision.migration_reason is not None:
             # The session leaves the cluster holding its cache: one re-prefill on the new one.
             self._metrics.migrations.labels(decision.migration_reason).inc()
-        relief = runtime.gpu_relief
+        relief = runtime.relief
         if relief is not None:
             ttl = runtime.affinity.new_session_ttl_s
             self.fleet.relief.seen(cluster, facts.session.digest, now, ttl, relief)

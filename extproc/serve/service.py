@@ -50,7 +50,7 @@ from extproc.names import BUFFER_HEADROOM
 from extproc.pipeline.chain_sync import ChainSync
 from extproc.pipeline.endpoint_health import EndpointHealth
 from extproc.pipeline.engine_scraper import EngineScraper, ScrapeMetrics, plan_of
-from extproc.pipeline.explain import explain_outcome, request_headers
+from extproc.pipeline.explain import explain_outcome, hot_candidates, request_headers
 from extproc.pipeline.fleet_state import FleetState, RedisSessions
 from extproc.pipeline.gpu_scraper import GpuMetrics, GpuScraper, gpu_plan_of
 from extproc.pipeline.metrics import Metrics
@@ -263,11 +263,9 @@ class Service:
         result = explain_outcome(self.holder.current, outcome)
         order = result.get("preference_order")
         if isinstance(order, list):
-            # Candidates that take no new sessions because of their GPUs (gpu_health).
-            load = self.pipeline.fleet.load
-            hot = {c: r for c in order if (r := load.gpu_reason(str(c), now)) is not None}
+            hot = hot_candidates(self.pipeline.fleet.load, [str(c) for c in order], now)
             if hot:
-                result["gpu_health"] = hot
+                result["hot"] = hot
         if result.get("outcome") == "route":
             runtime = self.holder.current
             cls = runtime.policy.class_named(str(result["class"]))

@@ -141,7 +141,7 @@ def test_a_hot_gpu_takes_no_new_sessions_and_keeps_its_own(
     wait_until(lambda: _hot(stack, "gpu_memory"), 30, "c1 marked hot", interval=0.1)
     admin = f"http://{LOOPBACK}:{stack.metrics_ports[0]}"
     explained = explain_remote(admin, CHAT, {"x-session-id": new}, body(new, 0))
-    assert explained["gpu_health"] == {"c1": "gpu_memory"}, explained
+    assert explained["hot"] == {"c1": "gpu_memory"}, explained
     assert (explained["kind"], explained["primary"]) == ("spilled", "c2"), explained
     assert _served(stack.listener_port, make_client, new) == "c2", dump_logs(stack)
     assert _served(stack.listener_port, make_client, held) == "c1"  # its cache is there

@@ -40,6 +40,7 @@ from extproc.core.relief import (
     to_move,
 )
 from extproc.ledger.gate import build_gate
+from extproc.pipeline.explain import hot_candidates
 from extproc.pipeline.fleet_state import LoadTable
 from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Routed
@@ -599,3 +600,14 @@ async def test_flow_controls_placement_skips_a_hot_cluster() -> None:
         await pipeline.release(first.hold)
     finally:
         await gate.close()
+
+
+def test_explain_names_each_hot_candidate_with_its_reason() -> None:
+    table = LoadTable()
+    table.kv_relief = (0.97, 10.0)
+    table.record("c1", scrape(0.98), 1.0)
+    table.record("c2", scrape(0.50), 1.0)
+    table.record_gpu("c3", "gpu_temperature", at=1.0, until=60.0)
+    order = ["c2", "c1", "c3"]
+    assert hot_candidates(table, order, 2.0) == {"c1": "kv_cache", "c3": "gpu_temperature"}
+    assert hot_candidates(table, order, 12.0) == {"c3": "gpu_temperature"}  # stale KV report
