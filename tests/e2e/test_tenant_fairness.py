@@ -238,6 +238,16 @@ def test_a_tenants_max_concurrent_is_one_count_across_both_replicas(limited: Fle
             for i in range(len(stack.metrics_ports))
         ]
         print("held per replica:", per_replica)
+        # Each replica's explain reads the tenant's one fleet-wide count, whichever replica
+        # admitted the requests.
+        for port in stack.metrics_ports:
+            limits = explain_remote(
+                f"http://127.0.0.1:{port}",
+                "/v1/chat/completions",
+                {"authorization": "Bearer sk-limited"},
+                b'{"model": "m", "messages": [{"role": "user", "content": "hello"}]}',
+            )["tenant"]["limits"]
+            assert (limits["counted_in"], limits["inflight"]) == ("redis", TENANT_MAX), limits
         with pytest.raises(openai.RateLimitError) as refused:
             ask("over")
         headers = refused.value.response.headers
