@@ -501,6 +501,13 @@ class RedisSessions:
         await self.client.aclose()
 
 
+def kv_relief(runtime: Runtime) -> tuple[float, float] | None:
+    """The load table's KV relief: (the KV use that makes a cluster hot, how long a scraped
+    report is trusted), or None when KV use is not watched."""
+    at = runtime.kv_relief_at
+    return None if at is None else (at, runtime.affinity.signal_max_age_s)
+
+
 class FleetState:
     """Everything the affinity policy is fed, owned by one servicer."""
 
@@ -528,8 +535,7 @@ class FleetState:
 
     def relieve_kv(self, runtime: Runtime) -> None:
         """Follow the runtime's KV relief (``kv_relief_at``; a reload may change it)."""
-        at = runtime.kv_relief_at
-        self.load.kv_relief = None if at is None else (at, runtime.affinity.signal_max_age_s)
+        self.load.kv_relief = kv_relief(runtime)
 
     def hot_keys(self, params: AffinityParams) -> HotKeys:
         # Rebuilt when a reload changes the half-life: old rates decayed differently.

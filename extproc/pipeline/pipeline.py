@@ -25,9 +25,9 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from random import Random
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, overload
 from urllib.parse import unquote
 
 import orjson
@@ -38,13 +38,11 @@ from extproc.core.admission import Admitted, Reject, TenantClaim, request_tokens
 from extproc.core.affinity import (
     Decision,
     Kind,
-    MigrationReason,
     Override,
     RecentShare,
     SessionView,
     Shortcut,
     place,
-    place_bounded,
 )
 from extproc.core.api import Api, BadRequest, ErrorStyle, canonical_path
 from extproc.core.decide import Placer, Route, base_class_name
@@ -89,6 +87,15 @@ from extproc.pipeline.outcomes import (
     Unavailable,
     Waiting,
 )
+from extproc.pipeline.placement_step import (
+    BoundedInputs,
+    BoundedPlacement,
+    LookUpSession,
+    NotePlacement,
+    balance_half_life,
+    bounded_step,
+)
+from extproc.pipeline.relief import relief_view
 from extproc.pipeline.step import (
     JoinQueue,
     Placed,
@@ -1090,54 +1097,85 @@ class Pipeline:
     async def _follow_override(
         self, runtime: Runtime, facts: RequestFacts, route: Route, now: float, record: bool
     ) -> tuple[Route, Kind, SessionView]:
-        """Without load-aware affinity: mark the session seen, follow an earlier placement's
-        override (the session's cache is there), and with ``affinity.balance_factor`` start a
-        new session within the bound (extproc.core.affinity.place_bounded). The session
-        lookup is the one round trip admission's placement makes anyway; a spill adds one
-        write (a SET with Redis)."""
-        fleet = self.fleet
+        """Without load-aware affinity: the live driver of the bounded placement step
+        (extproc/pipeline/placement_step.py). The session is marked seen, an earlier
+        placement's override is followed (the session's cache is there), and with
+        ``affinity.balance_factor`` a new session starts within the bound. The session lookup
+        is the one round trip admission's placement makes anyway; a spill adds one write (a SET
+        with Redis). ``record=False`` (explain's preview): nothing is marked, counted or
+        written."""
         params = runtime.affinity
         placer = runtime.policy.placer(route)
         point = facts.session.point
-        hashed = placer.top2(point)
-        with trace_phase("session_lookup"):
-            view = await fleet.view(facts, hashed.primary, now, params, record=record, hot=False)
-        balance = params.balance_half_life_s if params.balance_factor > 0 else None
+        step = bounded_step(
+            self._bounded_inputs(runtime, placer, point, now), route.placement, now, params
+        )
+        answer: Any = None
+        while True:
+            try:
+                need = step.send(answer)
+            except StopIteration as done:
+                outcome: BoundedPlacement = done.value
+                break
+            if isinstance(need, LookUpSession):
+                answer = await self._look_up_session(runtime, facts, need.hash_primary, now, record)
+            else:
+                answer = None
+                if record:
+                    await self._note_placement(runtime, facts, need, now)
+        if outcome.placement != route.placement:
+            route = Route(outcome.placement, route.request_class, route.model)
+        return route, outcome.decision.kind, outcome.session
+
+    def _bounded_inputs(
+        self, runtime: Runtime, placer: Placer, point: int, now: float
+    ) -> BoundedInputs:
+        """What the bounded placement step reads of this replica's fleet state."""
+        fleet = self.fleet
+        balance = balance_half_life(runtime.affinity)
         hot: frozenset[str] = frozenset()
         if runtime.relief is not None:
             hot = fleet.load.hot(now)
-            view = self._relief_view(runtime, facts, view, hashed.primary, now, record)
-        ranked: list[str] = []
 
-        def order() -> list[str]:
-            if not ranked:
-                ranked.extend(placer.ranked(point))
-            return ranked
-
-        def loads() -> FleetSnapshot:
-            return fleet.load.snapshot(order(), now, self._ready_clusters(runtime), balance)
+        def loads(ranked: Sequence[str]) -> FleetSnapshot:
+            return fleet.load.snapshot(ranked, now, self._ready_clusters(runtime), balance)
 
         # A LoRA adapter's new session is bounded among the clusters that have it loaded: a
         # spill onto one that must load it first would cost more than the evenness gains.
         within = _loaded_tier(placer)
         shortcut = None
-        if balance is not None and self._share_totals and not view.seen:
-            shortcut = self._shortcut(runtime, placer, point, now, balance, within)
-        decision = place_bounded(
-            hashed, placer.names, order, loads, view, now, params, within, shortcut, hot
+        if balance is not None and self._share_totals:
+            half_life = balance
+
+            def shortcut() -> Shortcut:
+                return self._shortcut(runtime, placer, point, now, half_life, within)
+
+        return BoundedInputs(
+            placer.top2(point),
+            placer.names,
+            lambda: placer.ranked(point),
+            loads,
+            hot,
+            within,
+            shortcut,
         )
-        if decision.kind != "primary" or (
-            decision.placement != hashed and route.placement == hashed
-        ):
-            # Otherwise the hash placement stands (moved off an unready primary already); a
-            # primary decision differs from it only by a secondary off a hot cluster.
-            route = Route(decision.placement, route.request_class, route.model)
-        if record:
-            if balance is not None:
-                fleet.load.placed(route.placement.primary, now, balance)
-            self._moved(runtime, facts, decision, route.placement.primary, now)
-            await fleet.remember(facts, decision, now)
-        return route, decision.kind, view
+
+    async def _look_up_session(
+        self, runtime: Runtime, facts: RequestFacts, hash_primary: str, now: float, record: bool
+    ) -> SessionView:
+        params = runtime.affinity
+        with trace_phase("session_lookup"):
+            view = await self.fleet.view(facts, hash_primary, now, params, record=record, hot=False)
+        return self._relief_view(runtime, facts, view, hash_primary, now, record)
+
+    async def _note_placement(
+        self, runtime: Runtime, facts: RequestFacts, need: NotePlacement, now: float
+    ) -> None:
+        balance = balance_half_life(runtime.affinity)
+        if balance is not None:
+            self.fleet.load.placed(need.cluster, now, balance)
+        self._moved(runtime, facts, need.decision, need.cluster, now)
+        await self.fleet.remember(facts, need.decision, now)
 
     def _shortcut(
         self,
@@ -1218,30 +1256,23 @@ class Pipeline:
         now: float,
         record: bool,
     ) -> SessionView:
-        """The session view with ``leave`` set when relief picks this session off the cluster
-        it is on (its override's, else its hash primary), which is hot: its GPUs are over a
-        threshold, or its KV use at kv_relief_at (extproc.core.relief); a cluster found cool
-        ends its spell."""
+        """The session view with relief's verdict (extproc.pipeline.relief.relief_view), when
+        GPU health or KV relief is on."""
         relief = runtime.relief
-        override = view.override
-        if relief is None or not (view.seen or override is not None):
-            return view
-        current = (
-            override.cluster if override is not None and override.expires_at > now else hash_primary
-        )
-        table = self.fleet.relief
-        load = self.fleet.load
-        reason = load.hot_reason(current, now)
-        if reason is None:
-            if record and table.in_spell(current):
-                table.cooled(current)
+        if relief is None:
             return view
         ttl = runtime.affinity.new_session_ttl_s
-        key = facts.session.digest
-        since = load.hot_since(current, now)
-        if not table.leaves(current, key, "hot", now, ttl, relief, since=since, record=record):
-            return view
-        return dataclasses.replace(view, leave=cast(MigrationReason, reason))
+        return relief_view(
+            self.fleet.relief,
+            self.fleet.load,
+            relief,
+            facts.session.digest,
+            view,
+            hash_primary,
+            now,
+            ttl,
+            record,
+        )
 
     def _moved(
         self, runtime: Runtime, facts: RequestFacts, decision: Decision, cluster: str, now: float

@@ -17,10 +17,16 @@ says so: a cluster that cools down and heats up again starts its rounds over.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
+from extproc.core.affinity import MigrationReason, SessionView
 from extproc.core.relief import Pressure, ReliefParams, SessionActivity, rounds_due, to_move
+
+if TYPE_CHECKING:
+    from extproc.pipeline.fleet_state import LoadTable
 
 
 @dataclass(slots=True)
@@ -113,3 +119,35 @@ class ReliefTable:
 
     def in_spell(self, cluster: str) -> bool:
         return cluster in self._spells
+
+
+def relief_view(
+    table: ReliefTable,
+    load: LoadTable,
+    params: ReliefParams,
+    key: bytes,
+    view: SessionView,
+    hash_primary: str,
+    now: float,
+    ttl_s: float,
+    record: bool = True,
+) -> SessionView:
+    """The session view with ``leave`` set when relief picks session ``key`` off the cluster
+    it is on (its override's, else its hash primary), which is hot: its GPUs are over a
+    threshold, or its KV use at kv_relief_at (extproc.core.relief); a cluster found cool ends
+    its spell. ``record=False`` previews it (no spell started or ended, nobody marked)."""
+    override = view.override
+    if not (view.seen or override is not None):
+        return view
+    current = (
+        override.cluster if override is not None and override.expires_at > now else hash_primary
+    )
+    reason = load.hot_reason(current, now)
+    if reason is None:
+        if record and table.in_spell(current):
+            table.cooled(current)
+        return view
+    since = load.hot_since(current, now)
+    if not table.leaves(current, key, "hot", now, ttl_s, params, since=since, record=record):
+        return view
+    return dataclasses.replace(view, leave=cast(MigrationReason, reason))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from extproc.core.admission import (
     TENANT_REASONS,
@@ -92,6 +92,10 @@ class GiveBack:
 
 
 Need = Reserve | QueueDepth | RememberPlacement | JoinQueue | GiveBack
+
+# A step's needs and its outcome (for :func:`drive`).
+N = TypeVar("N")
+R = TypeVar("R")
 
 # The ledger named by the preview's tickets: none was asked.
 PREVIEW_STORE = "preview"
@@ -193,12 +197,14 @@ def preview(step: Step) -> Any:
     return drive(step, _assume_room)
 
 
-def drive(step: Step, perform: Callable[[Need], Any]) -> Any:
-    """Run ``step`` to its outcome, answering each need with ``perform`` (synchronous)."""
+def drive(step: Generator[N, Any, R], perform: Callable[[N], Any]) -> R:
+    """Run ``step`` to its outcome, answering each need with ``perform`` (synchronous): an
+    admission step here, or the bounded placement step (extproc/pipeline/placement_step.py)."""
     answer = None
     while True:
         try:
             need = step.send(answer)
         except StopIteration as done:
-            return done.value
+            outcome: R = done.value
+            return outcome
         answer = perform(need)

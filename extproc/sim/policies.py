@@ -13,7 +13,7 @@ The hash policies read the core's rendezvous placement for the current membershi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from random import Random
 from types import MappingProxyType
@@ -21,19 +21,30 @@ from types import MappingProxyType
 import numpy as np
 import numpy.typing as npt
 
-from extproc.config.runtime import DEFAULT_BALANCE_FACTOR, affinity_params
+from extproc.config.runtime import DEFAULT_BALANCE_FACTOR, Runtime, affinity_params
 from extproc.config.schema import AffinityConfig
 from extproc.core.affinity import (
     AffinityParams,
     Override,
     SessionView,
     place,
-    place_bounded,
 )
 from extproc.core.keys import KeySource
 from extproc.core.load import ClusterLoad, FleetSnapshot
 from extproc.core.placement import Placement
-from extproc.pipeline.fleet_state import LoadTable, SessionMemory
+from extproc.core.relief import ReliefParams
+from extproc.pipeline.fleet_state import LoadTable, SessionMemory, kv_relief
+from extproc.pipeline.placement_step import (
+    BoundedInputs,
+    BoundedPlacement,
+    LookUpSession,
+    NotePlacement,
+    PlacementNeed,
+    balance_half_life,
+    bounded_step,
+)
+from extproc.pipeline.relief import ReliefTable, relief_view
+from extproc.pipeline.step import drive
 from extproc.sim.model import ClusterState
 from extproc.sim.vector import scores, seeds_of
 
@@ -301,8 +312,9 @@ class CoreAffinity(Bulkheads):
 class ProductDefault(PrimarySecondary):
     """The processor's default placement (fleet.yaml with no ``affinity:`` section, one replica
     or Redis): pure hashing, plus bounded-load placement of new sessions without load-aware
-    affinity, ``extproc.core.affinity.place_bounded``, fed as ``Pipeline._follow_override``
-    feeds it.
+    affinity: the processor's own bounded placement step
+    (extproc/pipeline/placement_step.py, ``bounded_step``), driven here synchronously as
+    ``Pipeline._follow_override`` drives it live.
 
     - The session memory and the load signal are the pipeline's own objects
       (``extproc.pipeline.fleet_state``): ``SessionMemory`` marks each request's session seen
@@ -310,6 +322,10 @@ class ProductDefault(PrimarySecondary):
       ``LoadTable.placed`` counts every placed request on the cluster it was placed on, decayed
       with ``balance_half_life_s``. Parameters: the config's defaults, ``balance_factor``
       ``DEFAULT_BALANCE_FACTOR``.
+    - Hot clusters (``relief``: the compiled relief pace, ``Runtime.relief``; None in the
+      simulator's runs, as in the default config): the load table's GPU verdicts and KV
+      reports, and the pipeline's relief table, so a hot cluster takes no new session and its
+      least active sessions leave.
     - Candidates: every cluster in the fleet, in hash order (the core's rendezvous, as the
       simulator's tables rank them), ranked only when a new session is judged.
     - Health: with load-aware affinity off the processor asks for no response phase, so it never
@@ -326,18 +342,36 @@ class ProductDefault(PrimarySecondary):
         "(extproc.core.affinity.place_bounded; load-aware affinity off)"
     )
 
-    def __init__(self, spill_wait_s: float = 2.0) -> None:
+    def __init__(self, spill_wait_s: float = 2.0, relief: ReliefParams | None = None) -> None:
         super().__init__(spill_wait_s)
         config = AffinityConfig()
         self.params = affinity_params(config, DEFAULT_BALANCE_FACTOR)
         self.load = LoadTable()
         self.memory = SessionMemory(config.max_sessions)
+        # GPU health's (or KV relief's) pace, as the processor compiles it; None: no cluster is
+        # ever hot (fleet.yaml without gpus or engine metrics, as the simulator's runs).
+        self.relief_params = relief
+        self.relief = ReliefTable(config.max_sessions)
         self.kinds: dict[str, int] = {}
         self._index: dict[str, int] = {}
         self._members: tuple[bool, ...] = ()
         self._candidates: frozenset[str] = frozenset()
         self._seeds: npt.NDArray[np.uint64] | None = None
         self._weights: npt.NDArray[np.float64] | None = None
+
+    @classmethod
+    def of_runtime(cls, runtime: Runtime, spill_wait_s: float = 2.0) -> ProductDefault:
+        """This policy with a compiled fleet.yaml's placement settings instead of the defaults
+        (load-aware affinity off): its affinity parameters and session bound, GPU health's pace
+        and KV relief."""
+        if runtime.affinity.enabled:
+            raise ValueError("product-default places with load-aware affinity off")
+        policy = cls(spill_wait_s, runtime.relief)
+        policy.params = runtime.affinity
+        policy.memory = SessionMemory(runtime.max_sessions)
+        policy.relief = ReliefTable(runtime.max_sessions)
+        policy.load.kv_relief = kv_relief(runtime)
+        return policy
 
     def refresh(self, view: FleetView) -> None:
         placeable = view.placeable or (True,) * len(view.names)
@@ -359,42 +393,70 @@ class ProductDefault(PrimarySecondary):
         names = view.names
         return [names[c] for c in np.argsort(-row, kind="stable").tolist() if members[c]]
 
-    def route(self, view: FleetView, session: int, new: bool, now: float) -> Candidates:
+    def decide(self, view: FleetView, session: int, now: float) -> BoundedPlacement:
+        """The processor's decision for this request, (primary, secondary) and its kind: the
+        bounded placement step (extproc/pipeline/placement_step.py) driven over this policy's
+        session memory, load table and relief table."""
         if not self._index:
             self._index = {n: i for i, n in enumerate(view.names)}
             self.refresh(view)
         names = view.names
         p, s = view.primary[session], view.secondary[session]
-        hashed = Placement(names[p], names[s] if s >= 0 else None)
-        params = self.params
-        half_life = params.balance_half_life_s
+        half_life = balance_half_life(self.params)
+        hot = self.load.hot(now) if self.relief_params is not None else frozenset()
+
+        def loads(ranked: Sequence[str]) -> FleetSnapshot:
+            return self.load.snapshot(ranked, now, None, half_life)
+
+        inputs = BoundedInputs(
+            Placement(names[p], names[s] if s >= 0 else None),
+            self._candidates,
+            lambda: self._ranked(view, session),
+            loads,
+            hot,
+        )
         # The session's 16-byte digest in the processor; any injective key does here.
         key = session.to_bytes(8, "little")
-        view_of_session = SessionView(
-            self.memory.touch(key, now, params.new_session_ttl_s), self.memory.override(key, now)
+
+        def perform(need: PlacementNeed) -> SessionView | None:
+            if isinstance(need, LookUpSession):
+                return self._look_up(key, need.hash_primary, now)
+            self._note(key, need, now)
+            return None
+
+        outcome: BoundedPlacement = drive(
+            bounded_step(inputs, inputs.hashed, now, self.params), perform
         )
-        ranked: list[str] = []
+        self.kinds[outcome.decision.kind] = self.kinds.get(outcome.decision.kind, 0) + 1
+        return outcome
 
-        def order() -> list[str]:
-            if not ranked:
-                ranked.extend(self._ranked(view, session))
-            return ranked
-
-        def loads() -> FleetSnapshot:
-            return self.load.snapshot(order(), now, None, half_life)
-
-        decision = place_bounded(
-            hashed, self._candidates, order, loads, view_of_session, now, params
+    def _look_up(self, key: bytes, hash_primary: str, now: float) -> SessionView:
+        ttl = self.params.new_session_ttl_s
+        view = SessionView(self.memory.touch(key, now, ttl), self.memory.override(key, now))
+        if self.relief_params is None:
+            return view
+        return relief_view(
+            self.relief, self.load, self.relief_params, key, view, hash_primary, now, ttl
         )
-        self.load.placed(decision.placement.primary, now, half_life)
-        if decision.override_to_write is not None:
-            self.memory.write(key, decision.override_to_write, now)
-        self.kinds[decision.kind] = self.kinds.get(decision.kind, 0) + 1
-        chosen = self._index[decision.placement.primary]
+
+    def _note(self, key: bytes, need: NotePlacement, now: float) -> None:
+        half_life = balance_half_life(self.params)
+        if half_life is not None:
+            self.load.placed(need.cluster, now, half_life)
+        if self.relief_params is not None:
+            ttl = self.params.new_session_ttl_s
+            self.relief.seen(need.cluster, key, now, ttl, self.relief_params)
+        override = need.decision.override_to_write
+        if override is not None:
+            self.memory.write(key, override, now)
+
+    def route(self, view: FleetView, session: int, new: bool, now: float) -> Candidates:
+        placement = self.decide(view, session, now).placement
+        chosen = self._index[placement.primary]
         if view.alive[chosen]:
             return [(chosen, chosen)]
         # Envoy's failover: the decision's secondary, then the catch-all route.
-        secondary = decision.placement.secondary
+        secondary = placement.secondary
         if secondary is not None and view.alive[self._index[secondary]]:
             return [(self._index[secondary], chosen)]
         return _random_alive(view, chosen)
