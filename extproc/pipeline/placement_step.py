@@ -33,7 +33,7 @@ from extproc.core.load import FleetSnapshot
 from extproc.core.placement import Placement
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BoundedInputs:
     """What bounded placement reads of the fleet, lazily where it costs.
 
@@ -43,7 +43,8 @@ class BoundedInputs:
     judged, a session moves or a secondary is hot. ``hot``: the clusters that take no new
     sessions now. ``within``: a LoRA adapter's loaded tier (the first ``within`` of ``ranked``).
     ``shortcut``: cheaper views of the same inputs (place_bounded's :class:`Shortcut`), built
-    only for a session not seen before."""
+    only for a session not seen before. (Not frozen: built on every request, and a frozen
+    dataclass costs five times as much to build.)"""
 
     hashed: Placement
     candidates: Collection[str]
@@ -90,15 +91,25 @@ def balance_half_life(params: AffinityParams) -> float | None:
     return params.balance_half_life_s if params.balance_factor > 0 else None
 
 
-def _once(compute: Callable[[], Sequence[str]]) -> Callable[[], Sequence[str]]:
-    found: list[Sequence[str]] = []
+class _Asked:
+    """``inputs.ranked`` and ``inputs.loads`` of that ranking, each computed at most once."""
 
-    def get() -> Sequence[str]:
-        if not found:
-            found.append(compute())
-        return found[0]
+    __slots__ = ("_inputs", "_ranked", "_snapshot")
 
-    return get
+    def __init__(self, inputs: BoundedInputs) -> None:
+        self._inputs = inputs
+        self._ranked: Sequence[str] | None = None
+        self._snapshot: FleetSnapshot | None = None
+
+    def ranked(self) -> Sequence[str]:
+        if self._ranked is None:
+            self._ranked = self._inputs.ranked()
+        return self._ranked
+
+    def loads(self) -> FleetSnapshot:
+        if self._snapshot is None:
+            self._snapshot = self._inputs.loads(self.ranked())
+        return self._snapshot
 
 
 def placed_on(current: Placement, hashed: Placement, decision: Decision) -> Placement:
@@ -117,20 +128,13 @@ def bounded_step(
     look its session up, decide, note the placement, return it. ``current``: the request's
     placement so far (``inputs.hashed``, or moved off an unready primary)."""
     session: SessionView = yield LookUpSession(inputs.hashed.primary)
-    ranked = _once(inputs.ranked)
-    snapshot: list[FleetSnapshot] = []
-
-    def loads() -> FleetSnapshot:
-        if not snapshot:
-            snapshot.append(inputs.loads(ranked()))
-        return snapshot[0]
-
+    asked = _Asked(inputs)
     shortcut = inputs.shortcut() if inputs.shortcut is not None and not session.seen else None
     decision = place_bounded(
         inputs.hashed,
         inputs.candidates,
-        ranked,
-        loads,
+        asked.ranked,
+        asked.loads,
         session,
         now,
         params,
