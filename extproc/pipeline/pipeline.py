@@ -91,7 +91,6 @@ from extproc.pipeline.placement_step import (
     BoundedInputs,
     BoundedPlacement,
     LookUpSession,
-    NotePlacement,
     balance_half_life,
     bounded_step,
 )
@@ -1104,12 +1103,14 @@ class Pipeline:
         is the one round trip admission's placement makes anyway; a spill adds one write (a SET
         with Redis). ``record=False`` (explain's preview): nothing is marked, counted or
         written."""
+        fleet = self.fleet
         params = runtime.affinity
         placer = runtime.policy.placer(route)
         point = facts.session.point
         step = bounded_step(
             self._bounded_inputs(runtime, placer, point, now), route.placement, now, params
         )
+        # The needs are answered here rather than in helpers: this runs on every request.
         answer: Any = None
         while True:
             try:
@@ -1117,12 +1118,22 @@ class Pipeline:
             except StopIteration as done:
                 outcome: BoundedPlacement = done.value
                 break
+            answer = None
             if isinstance(need, LookUpSession):
-                answer = await self._look_up_session(runtime, facts, need.hash_primary, now, record)
-            else:
-                answer = None
-                if record:
-                    await self._note_placement(runtime, facts, need, now)
+                primary = need.hash_primary
+                with trace_phase("session_lookup"):
+                    view = await fleet.view(facts, primary, now, params, record=record, hot=False)
+                answer = (
+                    view
+                    if runtime.relief is None
+                    else self._relief_view(runtime, facts, view, primary, now, record)
+                )
+            elif record:
+                balance = balance_half_life(params)
+                if balance is not None:
+                    fleet.load.placed(need.cluster, now, balance)
+                self._moved(runtime, facts, need.decision, need.cluster, now)
+                await fleet.remember(facts, need.decision, now)
         if outcome.placement != route.placement:
             route = Route(outcome.placement, route.request_class, route.model)
         return route, outcome.decision.kind, outcome.session
@@ -1159,23 +1170,6 @@ class Pipeline:
             within,
             shortcut,
         )
-
-    async def _look_up_session(
-        self, runtime: Runtime, facts: RequestFacts, hash_primary: str, now: float, record: bool
-    ) -> SessionView:
-        params = runtime.affinity
-        with trace_phase("session_lookup"):
-            view = await self.fleet.view(facts, hash_primary, now, params, record=record, hot=False)
-        return self._relief_view(runtime, facts, view, hash_primary, now, record)
-
-    async def _note_placement(
-        self, runtime: Runtime, facts: RequestFacts, need: NotePlacement, now: float
-    ) -> None:
-        balance = balance_half_life(runtime.affinity)
-        if balance is not None:
-            self.fleet.load.placed(need.cluster, now, balance)
-        self._moved(runtime, facts, need.decision, need.cluster, now)
-        await self.fleet.remember(facts, need.decision, now)
 
     def _shortcut(
         self,
