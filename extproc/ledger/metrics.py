@@ -144,7 +144,9 @@ class LedgerMetrics:
             "Over-budget requests by what flow control did: admitted (after waiting), timeout"
             " (429 after max_wait_s), cancelled (the client left), too_long (429 at once: the"
             " estimated wait exceeds max_wait_s), overflow (429 at once: queue full),"
-            " tenant_limit (its tenant's own limits refused it at the head of the queue).",
+            " tenant_limit (its tenant's own limits refused it at the head of the queue),"
+            " unavailable (503 at the head of the queue: the shared ledger is unreachable"
+            " under redis.on_unavailable closed).",
             ["request_class", "result"],
             registry=registry,
         )

@@ -86,8 +86,9 @@ class TenantLimits:
 
     def refund(self, slot: TenantSlot, own: TenantLimit) -> None:
         """Undo the :meth:`take` of ``slot`` (with ``own``, the limits it was taken under)
-        whose request was then refused by its class budget: the slot and its tokens go back,
-        as if it had never been taken."""
+        whose request was then not served (refused by its class budget, timed out in the
+        queue, or its client left while it waited): the slot and its tokens go back, as if it
+        had never been taken. A served request's slot goes back with :meth:`give` instead."""
         state = self._tenants.get(slot.tenant)
         if state is None:
             return

@@ -243,8 +243,7 @@ class Queued:
                         self._finish("admitted")
                         return attempt.outcome
                     if attempt.answer is None:  # the closed policy's 503, a tenant's 429
-                        refused = attempt.outcome.reason in TENANT_REASONS
-                        self._finish("tenant_limit" if refused else "timeout")
+                        self._finish(_unanswered_result(attempt.outcome))
                         self.gate.count_reject(attempt.outcome)
                         return attempt.outcome
                     self.answer = attempt.answer
@@ -289,6 +288,13 @@ class Queued:
         assert isinstance(outcome, Reject)  # a peek never grants
         self.gate.count_reject(outcome)
         return outcome
+
+
+def _unanswered_result(refused: Reject) -> str:
+    """How a wait ended whose head attempt no ledger answered (AdmissionGate.attempt): its
+    tenant's own limits refused it, else the shared ledger is unreachable under the closed
+    policy (the 503)."""
+    return "tenant_limit" if refused.reason in TENANT_REASONS else "unavailable"
 
 
 async def listen_for_releases(

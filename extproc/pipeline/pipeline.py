@@ -49,7 +49,7 @@ from extproc.core.decide import Placer, Route, base_class_name
 from extproc.core.endpoints import adapter_engines, engine_key, pick_endpoints
 from extproc.core.facts import RequestFacts, header_facts, parse_request
 from extproc.core.failover import around_unready, endpoint_owners
-from extproc.core.flow import WaitPolicy, placement_candidates
+from extproc.core.flow import TenantLimit, WaitPolicy, placement_candidates
 from extproc.core.keys import KeySource
 from extproc.core.load import ORCA_HEADER, ClusterLoad, FleetSnapshot, parse_load_headers
 from extproc.core.models import (
@@ -205,7 +205,9 @@ class Pipeline:
     ) -> None:
         self._runtime = runtime
         # Per-tenant limits (flow.tenant_limit / flow.tenants), counted by this replica.
-        self.tenant_limits = tenant_limits or TenantLimits(time.monotonic)
+        self.tenant_limits = (
+            tenant_limits if tenant_limits is not None else TenantLimits(time.monotonic)
+        )
         self._tenant_metrics = TenantMetrics(metrics.registry)
         self._tenant_metrics.configure(runtime.current.flow.tenant_metrics_top)
         # The jitter of the retry hints the pipeline itself computes (tenant limits).
@@ -564,7 +566,7 @@ class Pipeline:
             with trace_phase("budget_reservation"):
                 admission = await self._admit(self._gate, runtime, facts, route, view, now, tenant)
             if isinstance(admission, Reject):
-                self._give_tenant(hold)
+                self._refund_tenant(runtime, hold)
                 self._count_reject(facts, admission, headers)
                 return Rejected(facts, route, kind, admission)
             if isinstance(admission, Placed):
@@ -589,19 +591,30 @@ class Pipeline:
         headers: Mapping[str, str],
         prefill: PrefillChoice | None,
     ) -> Waiting:
+        # Set once resume() has answered: the answer settled the tenant's charge (a refusal
+        # gave it back, a routed request keeps it until its release).
+        answered = False
+
         async def resume() -> Outcome:
+            nonlocal answered
             admission = await queued.wait()
             if isinstance(admission, Reject):
-                self._give_tenant(hold)
+                self._refund_tenant(runtime, hold)
                 self._count_reject(facts, admission, headers)
+                answered = True
                 return Rejected(facts, route, kind, admission)
             hold.ticket = admission.ticket
             # Served through a contended queue: its output is charged to its tenant too.
             hold.fair = queued.fair
-            return await self._routed(runtime, facts, route, kind, hold, headers, prefill)
+            outcome = await self._routed(runtime, facts, route, kind, hold, headers, prefill)
+            answered = True
+            return outcome
 
         def cancel() -> None:
-            self._give_tenant(hold)
+            # Called when the wait ends, however it ended: the client left before an answer,
+            # so the request is not served and its tenant gets its charge back.
+            if not answered:
+                self._refund_tenant(runtime, hold)
             queued.cancel()
 
         return Waiting(facts, route, kind, queued.max_wait_s, resume, cancel)
@@ -622,7 +635,7 @@ class Pipeline:
             refused = await self._admit_prefill(runtime, facts, route, prefill, hold, headers)
             if refused is not None:
                 self._count_reject(facts, refused, headers)
-                self._give_tenant(hold)
+                self._refund_tenant(runtime, hold)
                 return Rejected(facts, route, kind, refused)
         if prefill is not None:
             self._metrics.prefill_choices.labels(prefill.relation, prefill.reason).inc()
@@ -1012,7 +1025,7 @@ class Pipeline:
         if not limit.enabled:
             return None
         tokens = request_tokens(facts)
-        own = tenant_share(limit, runtime.redis.replicas)
+        own = self._own_limit(runtime, tenant.key)
         taken = self.tenant_limits.take(tenant.key, tokens, own)
         if isinstance(taken, TenantSlot):
             hold.tenant_slot = taken
@@ -1020,10 +1033,25 @@ class Pipeline:
         cls, cluster = route.request_class.name, route.placement.primary
         return tenant_refusal(own, taken, tokens, cls, cluster, self._rng)
 
+    @staticmethod
+    def _own_limit(runtime: Runtime, tenant_key: str) -> TenantLimit:
+        """The tenant's limits as this replica enforces them (its share, without Redis)."""
+        return tenant_share(runtime.flow.limit_for(tenant_key), runtime.redis.replicas)
+
     def _give_tenant(self, hold: Hold) -> None:
+        """The request was served: its slot of the tenant's limits goes back, its tokens
+        stay drawn from the tenant's bucket."""
         slot, hold.tenant_slot = hold.tenant_slot, None
         if slot is not None:
             self.tenant_limits.give(slot)
+
+    def _refund_tenant(self, runtime: Runtime, hold: Hold) -> None:
+        """The request is not served (refused, timed out in the queue, or its client left
+        while it waited): its slot and its tokens go back to the tenant, as if never taken.
+        ``runtime`` is the one the slot was taken under (its limits cap the refund)."""
+        slot, hold.tenant_slot = hold.tenant_slot, None
+        if slot is not None:
+            self.tenant_limits.refund(slot, self._own_limit(runtime, slot.tenant))
 
     async def _drive(
         self,
