@@ -1014,7 +1014,10 @@ class AdmissionGate:
         while (left := deadline - self._clock()) > 0:
             self._nudge.clear()
             try:
-                await asyncio.wait_for(self._nudge.wait(), left)
+                # Not asyncio.wait_for: on Python 3.11 it swallows a cancel (close()) that
+                # arrives just as the nudge is set, and the loop would then never end.
+                async with asyncio.timeout(left):
+                    await self._nudge.wait()
             except TimeoutError:
                 return
             deadline = min(deadline, self._clock() + self._loop_wait())
