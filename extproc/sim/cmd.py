@@ -26,6 +26,17 @@ from extproc.sim.report import format_table, plot, summarize, write_json
 from extproc.sim.scenario import SimOptions, build, load_base
 
 
+def non_negative(text: str) -> int:
+    """A count of 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def parse_budget(text: str) -> Budget:
     """``concurrent=1,inflight=400000,rate=50000,burst=100000`` (any subset; "none" = no cap)."""
     if text.strip() in ("", "none"):
@@ -116,6 +127,13 @@ def _workload_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=600.0,
         help="tenant-flood: requests arriving from 60 s (the warm-up) to this are measured",
+    )
+    parser.add_argument(
+        "--flood-long-concurrent",
+        type=non_negative,
+        default=0,
+        help="tenant-flood: the long class's budget also caps its requests in flight per "
+        "cluster (default 0: only its 1,000,000 tokens in flight)",
     )
     parser.add_argument(
         "--sessions",

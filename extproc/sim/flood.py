@@ -54,6 +54,8 @@ POLICY = "hash-2+bulkheads+flow"
 LOADS = ("light", "heavy")
 ORDERS = (Fairness.FIFO, Fairness.REQUESTS, Fairness.TOKENS)
 LANE_PREFILL_TPS = 50_000.0
+# A short request's first token later than its prefill by more than this waited for a lane.
+LANE_WAIT_S = 1e-3
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,7 @@ class FloodShape:
     lane_prefill_tps: float = LANE_PREFILL_TPS
     decode_tps: float = 50.0
     long_budget_tokens: int = 1_000_000  # per cluster
+    long_budget_concurrent: int = 0  # per cluster; 0: no cap (the loads are set by the tokens)
     flood_tokens: int = 200_000
     flood_factor: float = 3.0
     steady_tokens: int = 20_000
@@ -152,7 +155,14 @@ def classes_of(shape: FloodShape) -> tuple[RequestClass, ...]:
     return (
         RequestClass("short", 2000),
         RequestClass("medium", max(2001, long_from)),
-        RequestClass("long", None, budget=Budget(max_inflight_tokens=shape.long_budget_tokens)),
+        RequestClass(
+            "long",
+            None,
+            budget=Budget(
+                max_inflight_tokens=shape.long_budget_tokens,
+                max_concurrent=shape.long_budget_concurrent,
+            ),
+        ),
     )
 
 
@@ -177,6 +187,9 @@ class Figures:
     asked: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     gave_up: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     ttft: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    # Served short requests whose first token came later than their own prefill: they found
+    # every prefill lane of their cluster taken.
+    short_waited: int = 0
     leaked_tickets: int = 0
 
 
@@ -196,6 +209,9 @@ def figures(traffic: Traffic, run: PolicyRun, shape: FloodShape) -> Figures:
         if status[i] == SERVED:
             out.served[name] += traffic.t_input[tp]
             out.ttft[group].append(ttft[i])
+            prefill_s = traffic.t_input[tp] / shape.lane_prefill_tps
+            if group == "short" and ttft[i] > prefill_s + LANE_WAIT_S:
+                out.short_waited += 1
         elif status[i] == GAVE_UP_429:
             out.gave_up[name] += 1
     return out
@@ -224,17 +240,22 @@ def row(shape: FloodShape, out: Figures, base: Figures) -> dict[str, Any]:
     base_p99 = pct(base.ttft["long:steady"], 99)
     short_p99 = pct(out.ttft["short"], 99)
     base_short = pct(base.ttft["short"], 99)
+    short_served = len(out.ttft["short"])
+    long_tokens_per_s = long_total / (shape.seconds - shape.warmup_s)
+    lanes_tps = shape.clusters * shape.lanes * shape.lane_prefill_tps
     return {
         "jain_steady": jain(steady),
         "jain_all": jain(everyone),
         "flood_share": out.served.get(FLOOD, 0.0) / long_total if long_total else None,
-        "long_tokens_per_s": long_total / (shape.seconds - shape.warmup_s),
+        "long_tokens_per_s": long_tokens_per_s,
+        "long_lane_share": long_tokens_per_s / lanes_tps,
         "steady_gave_up": gave_up / asked if asked else None,
         "steady_ttft_p50_s": pct(out.ttft["long:steady"], 50),
         "steady_ttft_p99_s": p99,
         "steady_p99_over_no_flood": p99 / base_p99 if base_p99 > 0 else None,
         "short_ttft_p99_s": short_p99,
         "short_p99_over_no_flood": short_p99 / base_short if base_short > 0 else None,
+        "short_waited": out.short_waited / short_served if short_served else None,
         "leaked_tickets": out.leaked_tickets,
     }
 
@@ -257,12 +278,14 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("Jain all", "jain_all", "{:.3f}"),
     ("flood share", "flood_share", "{:.2f}"),
     ("long tok/s", "long_tokens_per_s", "{:,.0f}"),
+    ("long lane share", "long_lane_share", "{:.2f}"),
     ("steady gave up", "steady_gave_up", "{:.2f}"),
     ("steady TTFT p50 s", "steady_ttft_p50_s", "{:.2f}"),
     ("steady TTFT p99 s", "steady_ttft_p99_s", "{:.2f}"),
     ("p99 / no flood", "steady_p99_over_no_flood", "{:.2f}"),
     ("short p99 s", "short_ttft_p99_s", "{:.2f}"),
     ("short p99 / no flood", "short_p99_over_no_flood", "{:.2f}"),
+    ("short waited", "short_waited", "{:.3f}"),
 )
 
 
@@ -289,7 +312,13 @@ def shape_from(args: argparse.Namespace) -> FloodShape:
         lanes=lanes,
         lane_prefill_tps=lane_tps,
         decode_tps=args.decode_tps,
+        long_budget_concurrent=args.flood_long_concurrent,
     )
+
+
+def _concurrent_text(shape: FloodShape) -> str:
+    n = shape.long_budget_concurrent
+    return f" and {n} requests" if n else ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -302,7 +331,8 @@ def run(args: argparse.Namespace) -> int:
         f"{shape.lane_prefill_tps:,.0f} prefill tokens/s each): a flood of "
         f"{shape.flood_tokens:,}-token requests at {shape.flood_factor:g}x what the long class "
         f"holds, beside {STEADY} steady tenants ({shape.steady_tokens:,} tokens) in the long "
-        f"class (budget {shape.long_budget_tokens:,} tokens in flight per cluster), policy "
+        f"class (budget {shape.long_budget_tokens:,} tokens in flight per cluster"
+        f"{_concurrent_text(shape)}), policy "
         f"{POLICY}; arrivals in [{shape.warmup_s:g}, {shape.seconds:g}) s measured, seed "
         f"{args.seed}"
     )

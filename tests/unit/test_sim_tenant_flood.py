@@ -135,6 +135,28 @@ def test_a_small_fleet_run_reports_fairness_figures() -> None:
     assert jain([1.0, 1.0]) == 1.0 and jain([1.0, 0.0]) == 0.5
 
 
+def test_the_short_class_waits_for_lanes_the_floods_long_class_fills() -> None:
+    """The short class has no budget: its TTFT beyond its own prefill is a wait for a lane.
+    Beside light steady tenants nothing fills the 8 lanes; with the flood the long class keeps
+    its budget full and its waiters enter as room frees, so short requests find every lane
+    taken."""
+    shape = flood.FloodShape(seconds=120.0, clusters=1)
+    base = flood.run_one(shape, "light", False, Fairness.TOKENS, 0)
+    out = flood.run_one(shape, "light", True, Fairness.TOKENS, 0)
+    quiet, flooded = flood.row(shape, base, base), flood.row(shape, out, base)
+    capacity = shape.lanes * shape.lane_prefill_tps
+    for r in (quiet, flooded):
+        assert r["long_lane_share"] == pytest.approx(r["long_tokens_per_s"] / capacity)
+        assert 0.0 <= r["short_waited"] <= 1.0
+    assert quiet["short_waited"] < 0.01 < flooded["short_waited"]
+    assert flooded["long_lane_share"] > 2 * quiet["long_lane_share"]
+    # Every served short request's TTFT is its prefill, plus a wait only when it waited.
+    prefill_s = shape.short_tokens / shape.lane_prefill_tps
+    over = [t - prefill_s for t in out.ttft["short"]]
+    assert min(over) == pytest.approx(0.0, abs=1e-9)
+    assert sum(w > flood.LANE_WAIT_S for w in over) == out.short_waited
+
+
 def test_the_command_prints_the_table_and_writes_the_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -151,3 +173,15 @@ def test_the_command_prints_the_table_and_writes_the_json(
     assert summary["shape"]["clusters"] == 1 and summary["shape"]["seconds"] == 65.0
     printed = capsys.readouterr().out
     assert "Jain steady" in printed and "no flood" in printed and "tokens" in printed
+
+
+def test_the_long_budget_can_also_cap_requests_in_flight(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    long = flood.classes_of(flood.FloodShape(long_budget_concurrent=8))[-1]
+    assert long.budget.max_concurrent == 8
+    assert long.budget.max_inflight_tokens == flood.FloodShape().long_budget_tokens
+    assert flood.classes_of(flood.FloodShape())[-1].budget.max_concurrent == 0
+    with pytest.raises(SystemExit):
+        main(["simulate", "--workload", "tenant-flood", "--flood-long-concurrent", "-1"])
+    assert "must be >= 0" in capsys.readouterr().err
