@@ -149,6 +149,10 @@ class Demand:
     # The tenant counted with it in the shared ledger (its own limits checked in the same
     # atomic step); None: the tenant's limits are counted elsewhere, or there are none.
     tenant: TenantClaim | None = None
+    # Its tenant in the compartment's fair order (FairClaim.tenant): a ledger keeping the
+    # fleet-wide queue answers with the waiters a request of it would follow there
+    # (LedgerAnswer.queued_ahead); None: every waiter.
+    queue_tenant: str | None = None
 
     def shared(self, replicas: int) -> Demand:
         if replicas <= 1:
@@ -161,6 +165,7 @@ class Demand:
             self.budget,
             self.limits.share(replicas),
             tenant,
+            self.queue_tenant,
         )
 
 
@@ -238,6 +243,11 @@ class LedgerAnswer:
     tenant_refused: bool = False
     tenant_inflight: int = 0
     tenant_bucket: float = 0.0
+    # Of the queued requests, those a new request of the demand's queue tenant
+    # (Demand.queue_tenant) would be served after in that queue's order, and their tokens
+    # (every one without a queue tenant, or under FIFO).
+    queued_ahead: int = 0
+    queued_ahead_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,21 +308,29 @@ def request_tokens(facts: RequestFacts) -> int:
     return facts.input_tokens
 
 
-def plan(tokens: int, route: Route, tenant: TenantClaim | None = None) -> Demand | Reject | None:
+def plan(
+    tokens: int,
+    route: Route,
+    tenant: TenantClaim | None = None,
+    queue_tenant: str | None = None,
+) -> Demand | Reject | None:
     """The demand to reserve, a 413 when no budget state could admit it, or None (unbudgeted).
 
     ``tokens``: the request's cost against its class budget (:func:`request_tokens`);
     ``tenant``: the tenant counted with it in the same reservation. A class without a budget
     still yields a demand (with no caps) when its tenant has limits to count there.
+    ``queue_tenant``: its tenant in the fair order of the compartment's queue
+    (:attr:`Demand.queue_tenant`).
     """
     cls = route.request_class
     budget = cls.budget
+    primary = route.placement.primary
     if not budget.enforced:
         if tenant is None or not tenant.limit.enabled:
             return None
-        return Demand(route.placement.primary, cls.name, tokens, budget, Budget(), tenant)
+        return Demand(primary, cls.name, tokens, budget, Budget(), tenant, queue_tenant)
     limits = budget.resolved()
-    demand = Demand(route.placement.primary, cls.name, tokens, budget, limits, tenant)
+    demand = Demand(primary, cls.name, tokens, budget, limits, tenant, queue_tenant)
     cap = limits.largest_admissible
     if cap is not None and demand.tokens > cap:
         what = (

@@ -353,7 +353,12 @@ class AdmissionGate:
         if self._shared is not None and self._redis_due():
             try:
                 answer = await self._shared.usage(
-                    demand.cluster, demand.class_name, demand.limits, demand.tenant, demand.tokens
+                    demand.cluster,
+                    demand.class_name,
+                    demand.limits,
+                    demand.tenant,
+                    demand.tokens,
+                    demand.queue_tenant,
                 )
             except LedgerUnavailable as exc:
                 self._redis_failed("usage", exc)
@@ -417,11 +422,12 @@ class AdmissionGate:
         }
         if not budget.enforced:
             return {**out, "would": "admit", "estimated_wait_s": 0.0}
-        demand = Demand(cluster, request_class.name, tokens, budget, budget.resolved())
+        limits = budget.resolved()
+        demand = Demand(cluster, request_class.name, tokens, budget, limits, queue_tenant=tenant)
         answer = await self.peek(demand)
         if self.mode == "redis":  # the fleet-wide queue
-            queued, ahead, ahead_tokens = answer.queued, answer.queued, answer.queued_tokens
-            out["queued"] = out["ahead"] = queued
+            queued, ahead, ahead_tokens = fleet_wide(answer)
+            out["queued"], out["ahead"] = queued, ahead
         would, estimate = flow_outlook(demand, answer, policy, ahead, ahead_tokens, queued=queued)
         return {**out, "would": would, "estimated_wait_s": round(estimate, 3)}
 
@@ -445,9 +451,10 @@ class AdmissionGate:
         would precede most of it); ``max_queue`` bounds the whole queue.
 
         With Redis the queue is fleet-wide (queue.lua): its length, its order and the
-        requests ahead count every replica's waiters (the estimate counts all of them: the
-        fleet-wide tags are not read here); this replica's waiters keep that order locally.
-        With Redis unreachable it is this replica's own queue."""
+        requests ahead count every replica's waiters, as the reserve that refused the
+        request counted them (reserve.lua, by the fleet-wide tags, for the demand's queue
+        tenant, ``claim``'s); this replica's waiters keep that order locally. With Redis
+        unreachable it is this replica's own queue."""
         reject = attempt.outcome
         assert isinstance(reject, Reject)
         answer = attempt.answer
@@ -456,7 +463,7 @@ class AdmissionGate:
         queued = self.waiters.depth(*key)
         ahead, ahead_tokens = self.waiters.ahead(*key, claim.tenant)
         if shared is not None and answer is not None:
-            queued, ahead, ahead_tokens = answer.queued, answer.queued, answer.queued_tokens
+            queued, ahead, ahead_tokens = fleet_wide(answer)
         decision = queue_verdict(
             reject, attempt.demand, answer, policy, ahead, ahead_tokens, queued=queued
         )
@@ -1089,6 +1096,12 @@ class AdmissionGate:
         await self._local.close()
         if self._shared is not None:
             await self._shared.close()
+
+
+def fleet_wide(answer: LedgerAnswer) -> tuple[int, int, int]:
+    """(waiters, the waiters a new request of the demand's queue tenant would follow, their
+    tokens) in the fleet-wide queue, as the Redis ledger's ``answer`` counted them."""
+    return answer.queued, answer.queued_ahead, answer.queued_ahead_tokens
 
 
 def workers_problem(runtime: Runtime, workers: int) -> str | None:

@@ -1,7 +1,7 @@
 -- The fleet-wide queue of one (cluster, class) compartment: requests of every replica waiting
 -- for its budget, in one fair order (extproc/core/flow.py FairQueue, computed here so every
 -- replica sees the same one). See extproc/ledger/redis.py for the key layout; the ticket
--- helpers (drop_ticket, reap_tickets, reset_if_idle, ticket_tokens) are tickets.lua's.
+-- helpers (drop_ticket, reap_tickets, reset_if_idle, ticket_tokens, tag_for) are tickets.lua's.
 --
 -- KEYS[1] queue zset (ticket -> tag)   KEYS[2] ticket expiry zset   KEYS[3] queue meta hash
 -- ARGV[1] op: 'join' | 'leave' | 'touch'
@@ -43,9 +43,7 @@ if op == 'join' then
   end
   local order = redis.call('HINCRBY', meta, 'seq', 1)
   local ticket = string.format('%012d', order) .. '/' .. ARGV[2]
-  local vt = tonumber(redis.call('HGET', meta, 'vt')) or 0
-  local last = tonumber(redis.call('HGET', meta, 't:' .. tenant)) or vt
-  local tag = math.max(vt, last)
+  local tag = tag_for(meta, tenant)
   local text = string.format('%.17g', tag)
   local counter = string.format('%.17g', tag + math.max(increment, 0))
   redis.call('ZADD', queue, text, ticket)
@@ -69,10 +67,8 @@ elseif op == 'leave' then
   return removed
 elseif op == 'charge' then
   if redis.call('ZCARD', queue) == 0 then return 0 end
-  local field = 't:' .. ARGV[2]
-  local vt = tonumber(redis.call('HGET', meta, 'vt')) or 0
-  local last = tonumber(redis.call('HGET', meta, field)) or vt
-  redis.call('HSET', meta, field, string.format('%.17g', math.max(vt, last) + tonumber(ARGV[3])))
+  local counter = tag_for(meta, ARGV[2]) + tonumber(ARGV[3])
+  redis.call('HSET', meta, 't:' .. ARGV[2], string.format('%.17g', counter))
   return 1
 elseif op == 'touch' then
   local until_ = now + tonumber(ARGV[2])

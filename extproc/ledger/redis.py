@@ -288,6 +288,8 @@ class RedisLedger:
             int(raw[12]) == 1,
             int(raw[13]),
             _num(raw[14]),
+            int(raw[15]),
+            int(raw[16]),
         )
 
     def compartment(self, cluster: str, class_name: str) -> tuple[str, str, str]:
@@ -318,6 +320,7 @@ class RedisLedger:
         peek: bool,
         queue: str = "",
         tenant: TenantClaim | None = None,
+        queue_tenant: str | None = None,
     ) -> list[str | int]:
         own = tenant.limit if tenant is not None else None
         return [
@@ -335,6 +338,7 @@ class RedisLedger:
             self.freed_channel,
             (own.max_concurrent or 0) if own is not None else 0,
             (own.tokens_per_minute or 0) if own is not None else 0,
+            queue_tenant or "",
         ]
 
     def new_lease(self) -> str:
@@ -354,7 +358,9 @@ class RedisLedger:
         lease = lease or self.new_lease()
         tenant = demand.tenant
         keys = self._keys(demand.cluster, demand.class_name, tenant)
-        args = self._args(lease, demand.tokens, demand.limits, False, queue, tenant)
+        args = self._args(
+            lease, demand.tokens, demand.limits, False, queue, tenant, demand.queue_tenant
+        )
         raw = await self._bounded("reserve", self._reserve(keys=keys, args=args))
         held = tenant.key if tenant is not None else None
         ticket = Ticket(demand.cluster, demand.class_name, demand.tokens, lease, self.store, held)
@@ -482,11 +488,13 @@ class RedisLedger:
         limits: Budget,
         tenant: TenantClaim | None = None,
         tokens: int = 0,
+        queue_tenant: str | None = None,
     ) -> LedgerAnswer:
-        """The compartment (and ``tenant``, whether ``tokens`` would fit its limits) as it is;
-        reserves nothing."""
+        """The compartment (and ``tenant``, whether ``tokens`` would fit its limits) as it is,
+        with the waiters of its queue a new request of ``queue_tenant`` would follow
+        (:attr:`LedgerAnswer.queued_ahead`); reserves nothing."""
         keys = self._keys(cluster, class_name, tenant)
-        args = self._args("-", tokens, limits, True, "", tenant)
+        args = self._args("-", tokens, limits, True, "", tenant, queue_tenant)
         raw = await self._bounded("usage", self._reserve(keys=keys, args=args))
         return self._answer(raw, None)
 

@@ -12,12 +12,15 @@
 --       queue mode ('' = ignore the queue: a charge that follows a failover; '-' = a new
 --       request: it does not pass anyone queued; else the caller's queue ticket: granted only
 --       at the head of the queue), ticket lease_s, freed channel, the tenant's max_concurrent
---       and tokens_per_minute (0: no such limit; the tenant is still counted)
+--       and tokens_per_minute (0: no such limit; the tenant is still counted), the request's
+--       tenant in the queue's fair order ('' or absent: none)
 -- Returns {granted, inflight_tokens, concurrent, bucket_level, rel_n, rel_tokens, rel_at,
 --          rel_since, now, queued, queued_tokens, behind (1: refused because another
 --          request heads the queue), tenant_refused (1: refused by the tenant's own limits,
---          nothing reserved), tenant_inflight, tenant_bucket}; floats as strings (Redis would
---          truncate Lua numbers to integers).
+--          nothing reserved), tenant_inflight, tenant_bucket, ahead, ahead_tokens (the queued
+--          tickets a new ticket of the fair-order tenant would be served after, and their
+--          tokens: those tagged at most the tag it would get; every ticket without one)};
+--          floats as strings (Redis would truncate Lua numbers to integers).
 local state, leases, lease_tokens = KEYS[1], KEYS[2], KEYS[3]
 local queue, qexpiry, qmeta = KEYS[4], KEYS[5], KEYS[6]
 local mode = ARGV[10] or ''
@@ -35,6 +38,7 @@ local peek = ARGV[9] == '1'
 local tenant_leases, tenant_state = KEYS[7], KEYS[8]
 local tenant_max = tonumber(ARGV[13]) or 0
 local tenant_rate = tonumber(ARGV[14]) or 0
+local queue_tenant = ARGV[15] or ''
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -166,7 +170,10 @@ if granted == 1 and queue and mode ~= '' and mode ~= '-' then
     end
   end
 end
-if queue and queued > 0 then queued_tokens = ticket_tokens(queue, qmeta, 0, -1) end
+local ahead, ahead_tokens = 0, 0
+if queue and queued > 0 then
+  queued_tokens, ahead, ahead_tokens = tokens_and_ahead(queue, qmeta, queue_tenant)
+end
 
 redis.call('HSET', state, 'tokens', inflight, 'count', count)
 if burst > 0 then
@@ -180,4 +187,4 @@ redis.call('PEXPIRE', lease_tokens, idle_ttl_ms)
 
 return {granted, inflight, count, tostring(level), s[5] or '0', s[6] or '0', s[7] or '0',
   s[8] or '0', tostring(now), queued, queued_tokens, blocked and 1 or 0, tenant_refused,
-  tenant_count, tostring(tenant_level)}
+  tenant_count, tostring(tenant_level), ahead, ahead_tokens}

@@ -53,3 +53,29 @@ local function ticket_tokens(queue, meta, first, last)
   end
   return sum
 end
+
+-- The tag a new ticket of `tenant` gets (queue.lua's join): max(V, the tenant's counter).
+local function tag_for(meta, tenant)
+  local vt = tonumber(redis.call('HGET', meta, 'vt')) or 0
+  local last = tonumber(redis.call('HGET', meta, 't:' .. tenant)) or vt
+  return math.max(vt, last)
+end
+
+-- {tokens of every ticket, tickets a new ticket of `tenant` would be served after, their
+-- tokens}: those tagged at most the tag it would get (ties go to the earlier arrival, and it
+-- arrives last), as FairQueue.ahead_for; every ticket when `tenant` is ''.
+local function tokens_and_ahead(queue, meta, tenant)
+  local limit = math.huge
+  if tenant ~= '' then limit = tag_for(meta, tenant) end
+  local entries = redis.call('ZRANGE', queue, 0, -1, 'WITHSCORES')
+  local total, ahead, ahead_tokens = 0, 0, 0
+  for i = 1, #entries, 2 do
+    local tokens = tonumber(redis.call('HGET', meta, 'k:' .. entries[i])) or 0
+    total = total + tokens
+    if tonumber(entries[i + 1]) <= limit then
+      ahead = ahead + 1
+      ahead_tokens = ahead_tokens + tokens
+    end
+  end
+  return total, ahead, ahead_tokens
+end

@@ -938,7 +938,9 @@ class Pipeline:
 
         wait = route.request_class.wait
         claim = self._tenant_claim(runtime, tenant)
-        step = steps.admission_step(request_tokens(facts), route, elsewhere, wait, claim)
+        step = steps.admission_step(
+            request_tokens(facts), route, elsewhere, wait, claim, tenant.key
+        )
         outcome = await self._drive(step, gate, runtime, facts, now, tenant)
         if outcome is None:
             gate.count_unbudgeted(route.request_class.name)

@@ -120,17 +120,19 @@ def admission_step(
     elsewhere: Callable[[], Iterable[Route]] | None,
     wait: WaitPolicy,
     tenant: TenantClaim | None = None,
+    queue_tenant: str | None = None,
 ) -> Step:
     """Admit ``tokens`` on ``route``'s primary; else, when ``elsewhere`` is given (a new
     session, flow control placing), on the first of its routes with room and nobody waiting
     (remembered); else wait or refuse (``wait``: the class's wait policy). ``tenant``: counted
     (and its own limits checked) in the same reservations; a refusal by those limits is
-    answered at once.
+    answered at once. ``queue_tenant``: the request's tenant in the fair order of the queues
+    (each reservation's answer counts the waiters it would follow: :attr:`Demand.queue_tenant`).
 
     A compartment with waiters is only looked at on the primary (the request joins behind
     them) and skipped as a placement: the budget a release frees there is its queue's head's,
     not a newcomer's from another cluster."""
-    planned = plan(tokens, route, tenant)
+    planned = plan(tokens, route, tenant, queue_tenant)
     if planned is None or isinstance(planned, Reject):
         return planned  # unbudgeted, or a 413 no budget could ever admit
     look = yield from _has_waiters(planned, wait)
@@ -139,7 +141,7 @@ def admission_step(
         return attempt.outcome
     if elsewhere is not None and attempt.outcome.status == 429:
         for candidate in elsewhere():
-            demand = plan(tokens, candidate, tenant)
+            demand = plan(tokens, candidate, tenant, queue_tenant)
             if not isinstance(demand, Demand) or (yield from _has_waiters(demand, wait)):
                 continue
             tried: Attempt = yield Reserve(demand)

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from extproc.config import compile_runtime, parse_config
 from extproc.config.runtime import Overrides
-from extproc.core.admission import Admitted, Demand
+from extproc.core.admission import Admitted, Demand, request_tokens
 from extproc.core.facts import RequestFacts, parse_request
 from extproc.core.fleet import Budget
 from extproc.core.flow import FairClaim, FairQueue
@@ -435,6 +435,83 @@ async def test_queue_is_fleet_wide_in_order_and_length(server: RedisServer) -> N
         await gate_b.close()
 
 
+async def flood_queue(pipeline: Pipeline, sid: str) -> tuple[Routed, list[Waiting]]:
+    """One release seen (about one a second: Redis's clock runs, so the rate seen only falls
+    from there), the budget taken, then tenant ``flood`` queued on ``pipeline`` as far as its
+    own estimated wait allows: (the request holding the budget, the flood's waiters)."""
+    warm = await pipeline.decide(headers(sid, "flood"), BODY, 0.0)
+    assert isinstance(warm, Routed)
+    await pipeline.release(warm.hold)
+    first = await pipeline.decide(headers(sid, "flood"), BODY, 1.0)
+    assert isinstance(first, Routed)
+    flood: list[Waiting] = []
+    while True:
+        outcome = await pipeline.decide(headers(sid, "flood"), BODY, 2.0, wait=False)
+        if not isinstance(outcome, Waiting):
+            break
+        flood.append(outcome)
+    assert isinstance(outcome, Rejected) and "estimated wait exceeds" in outcome.reject.message
+    assert len(flood) >= 3, len(flood)  # the flood queued several, up to its own estimate
+    return first, flood
+
+
+@pytest.mark.parametrize("fairness", ["tokens", "requests", "fifo"])
+async def test_a_steady_tenant_behind_a_fleet_wide_flood_waits_instead_of_being_refused(
+    server: RedisServer, fairness: str
+) -> None:
+    """Two replicas sharing one Redis ledger: a flooding tenant fills the fleet-wide queue
+    through replica a as far as its own estimated wait allows; a steady tenant arriving on
+    replica b would follow only the flood's head in the fleet-wide fair order (reserve.lua
+    counts the tickets tagged no later than the steady tenant's own tag), so explain says it
+    would wait, it waits, and it is admitted right after that head, before the rest of the
+    flood. Under FIFO it would follow every flood ticket: refused at once as too long."""
+    d = notices_only(max_queue=64)
+    d["classes"][0]["wait"]["max_wait_s"] = 30.0
+    d["flow"]["fairness"] = fairness
+    a, gate_a, _ = await make(d, server.url)
+    b, gate_b, _ = await make(d, server.url)
+    try:
+        sid = session_on(a, "c1", "f")
+        first, flood = await flood_queue(a, sid)
+        steady_headers = headers(sid, "steady")
+        facts = parse_request(
+            CHAT, steady_headers, BODY, b.runtime.key_rules, b.runtime.parse_limits
+        )
+        assert isinstance(facts, RequestFacts)
+        cls = b.runtime.policy.class_named("long")
+        assert cls is not None
+        preview = await gate_b.flow_preview(
+            "c1", cls, request_tokens(facts), b.tenant_key(steady_headers, facts)
+        )
+        assert preview["queued"] == len(flood), preview
+        steady = await b.decide(steady_headers, BODY, 3.0, wait=False)
+        if fairness == "fifo":
+            assert preview["ahead"] == len(flood) and preview["would"] == "too_long", preview
+            assert isinstance(steady, Rejected)
+            assert "estimated wait exceeds" in steady.reject.message
+            await a.release(first.hold)
+        else:
+            assert preview["ahead"] == 1 and preview["would"] == "wait", preview
+            assert isinstance(steady, Waiting), steady
+            served = [asyncio.create_task(w.resume()) for w in (flood[0], steady)]
+            await a.release(first.hold)
+            head = await asyncio.wait_for(served[0], timeout=10)
+            assert isinstance(head, Routed)
+            await a.release(head.hold)
+            # Next after the flood's head, as estimated, while the rest of it still waits.
+            after = await asyncio.wait_for(served[1], timeout=10)
+            assert isinstance(after, Routed)
+            assert gate_a.waiters.depth("c1", "long") == len(flood) - 1
+            await b.release(after.hold)
+        for waiting in flood:
+            waiting.cancel()
+        assert len(gate_a.waiters) == 0 and len(gate_b.waiters) == 0
+        assert gate_a.held == 0 and gate_b.held == 0
+    finally:
+        await gate_a.close()
+        await gate_b.close()
+
+
 async def test_dead_replicas_waiters_lapse_and_stop_blocking(server: RedisServer) -> None:
     # Re-checking every hour, waiting up to ten minutes: within the minute allowed (against a
     # hang) only the once-a-lease re-check of a waiter behind another replica's can admit it.
@@ -535,7 +612,8 @@ def test_fleet_wide_queue_serves_in_the_fair_queues_order(
     FairQueue (FIFO per tenant, token-weighted fair across tenants), so its fairness bound
     (tests/unit/test_flow.py) holds fleet-wide: joins of requests of different sizes from
     two replicas, admissions of the head, withdrawals and output charges in any order give
-    the same service order as one FairQueue."""
+    the same service order as one FairQueue, and reserve.lua counts the waiters a newcomer
+    of each tenant would follow as FairQueue.ahead_for does."""
     asyncio.run(_same_order_as_fair_queue(module_redis.url, ops, f"fq{next(EXAMPLES)}"))
 
 
@@ -555,7 +633,7 @@ async def _same_order_as_fair_queue(url: str, ops: list[Op], prefix: str) -> Non
                 )
                 assert joined.joined
                 ids[joined.ticket] = model.push(
-                    joined.ticket, claim.tenant, claim.weight, service=claim.service
+                    joined.ticket, claim.tenant, claim.weight, 1, service=claim.service
                 )
                 live.append(joined.ticket)
                 assert joined.tag == model._ids[ids[joined.ticket]].tag
@@ -580,8 +658,12 @@ async def _same_order_as_fair_queue(url: str, ops: list[Op], prefix: str) -> Non
                 output = 2.0 * SIZES[arg]
                 await ledger.charge("c1", "long", f"t{arg}", output / WEIGHTS[arg])
                 model.charge(f"t{arg}", output, WEIGHTS[arg])
-            peek = await ledger.usage("c1", "long", Budget())
-            assert peek.queued == len(model) == len(live)
+            for tenant in range(len(WEIGHTS)):
+                # What a newcomer of each tenant would follow, as the model's ahead_for.
+                peek = await ledger.usage("c1", "long", Budget(), queue_tenant=f"t{tenant}")
+                assert peek.queued == len(model) == len(live)
+                follows = (peek.queued_ahead, peek.queued_ahead_tokens)
+                assert follows == model.ahead_for(f"t{tenant}"), (step, tenant)
     finally:
         for ledger in replicas:
             await ledger.close()
