@@ -560,6 +560,9 @@ class Pipeline:
         if runtime.flow.limits_tenants and not self._tenants_in_ledger:
             over = self._take_tenant(runtime, tenant, facts, route, hold)
             if over is not None:
+                if self._gate is not None:
+                    # Counted as an admission refusal, as the ledger counts it with Redis.
+                    self._gate.count_reject(over)
                 self._count_reject(facts, over, headers)
                 return Rejected(facts, route, kind, over)
         if self._gate is not None:

@@ -4,7 +4,8 @@ reserve, against a real redis-server) and with Redis down (the gate's local fall
 request refused by its class budget, timed out in the queue, or whose client left while it
 waited gives its tenant's slot and tokens back, once; a request that was served (routed, then
 its stream ended, or admitted after a wait) keeps its charge, and holds its tenant's slot
-while it runs. A waiter that the closed policy answers with 503 is counted as that."""
+while it runs. A waiter that the closed policy answers with 503 is counted as that, and a
+refusal by the tenant's own limits is counted alike on both paths."""
 
 from __future__ import annotations
 
@@ -51,14 +52,19 @@ class Setup:
 
 
 async def build(
-    mode: str, wait_s: float, server: RedisServer, poll_ms: int = 500, **redis_cfg: Any
+    mode: str,
+    wait_s: float,
+    server: RedisServer,
+    poll_ms: int = 500,
+    tenant_max: int = 4,
+    **redis_cfg: Any,
 ) -> Setup:
     """Three clusters of one request each (class ``long``), every session on its hash primary;
-    the tenant may run 4 requests and draw RATE tokens a minute. ``memory``: no Redis, the
-    tenant counted on a clock that stands still (its bucket changes only by what is charged
-    and given back)."""
+    the tenant may run ``tenant_max`` requests and draw RATE tokens a minute. ``memory``: no
+    Redis, the tenant counted on a clock that stands still (its bucket changes only by what is
+    charged and given back)."""
     d = doc(wait_s=wait_s)
-    d["flow"]["tenant_limit"] = {"max_concurrent": 4, "tokens_per_minute": RATE}
+    d["flow"]["tenant_limit"] = {"max_concurrent": tenant_max, "tokens_per_minute": RATE}
     d["flow"]["redis_poll_ms"] = poll_ms
     d["affinity"] = {"balance_factor": 0}  # a new session starts on its hash primary
     url = None if mode == "memory" else server.url
@@ -236,5 +242,42 @@ async def test_a_waiter_answered_503_by_the_closed_policy_is_counted_as_unavaila
         assert waits == {"unavailable": 1, "timeout": 0}
         await pipeline.release(blocker.hold)
         assert len(gate.waiters) == 0
+    finally:
+        await gate.close()
+
+
+@pytest.mark.parametrize("mode", ["memory", "redis"])
+async def test_a_tenant_limit_refusal_is_counted_alike_with_and_without_redis(
+    mode: str, server: RedisServer
+) -> None:
+    setup = await build(mode, 0.0, server, tenant_max=1)
+    pipeline, gate, registry = setup.pipeline, setup.gate, setup.registry
+    try:
+        running = await pipeline.decide(headers(session_on(pipeline, "c2", "r"), "t1"), BODY, 1.0)
+        assert isinstance(running, Routed)
+        refused = await pipeline.decide(headers(session_on(pipeline, "c3", "o"), "t1"), BODY, 1.0)
+        assert isinstance(refused, Rejected)
+        assert refused.reject.reason is Reason.TENANT_CONCURRENCY
+        counts = (
+            sample(
+                registry,
+                "fleet_requests_total",
+                api="openai.chat",
+                request_class="long",
+                outcome="tenant_concurrency",
+            ),
+            sample(
+                registry,
+                "fleet_admission_rejections_total",
+                request_class="long",
+                status="429",
+                reason="tenant_concurrency",
+            ),
+            sample(registry, "fleet_admissions_total", request_class="long", result="rejected"),
+        )
+        assert counts == (1, 1, 1)
+        await pipeline.release(running.hold)
+        assert await tenant_state(setup, "t1") == (0, running.facts.input_tokens)
+        assert gate.held == 0
     finally:
         await gate.close()

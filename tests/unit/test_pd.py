@@ -21,6 +21,7 @@ from extproc.core.pd import (
     choose_prefill,
 )
 from extproc.ledger.gate import build_gate
+from extproc.ledger.tenant_limits import TenantLimits
 from extproc.pipeline.metrics import Metrics
 from extproc.pipeline.outcomes import Rejected, Routed
 from extproc.pipeline.pipeline import Pipeline, RuntimeHolder
@@ -301,6 +302,43 @@ def test_a_prefill_reject_gives_the_decode_reservation_back() -> None:
         assert isinstance(out.reject, Reject) and out.reject.status == 413
         # ... and gave its decode slot back.
         assert gate.held == 0
+
+    asyncio.run(run())
+
+
+def test_a_prefill_reject_gives_the_tenant_its_slot_and_tokens_back() -> None:
+    # Without Redis the tenant is charged before the decode budget; the prefill pool then
+    # refuses (a 413: 2 tokens): the request was not served, so its tenant keeps nothing.
+    cfg = pd_config(budget={"max_concurrent": 1}, prefill_budget={"max_inflight_tokens": 2})
+    cfg["classes"][1].pop("max_input_tokens", None)
+    rate = 100_000
+    cfg["flow"] = {"tenant_header": "x-tenant", "tenant_limit": {"tokens_per_minute": rate}}
+    runtime = compile_runtime(parse_config(cfg, "t.yaml"))
+    registry = CollectorRegistry()
+    gate = build_gate(runtime, registry, lambda: 0.0, __import__("random").Random(1))
+    # The tenant counted on a clock that stands still: its bucket moves only by charges.
+    still = TenantLimits(lambda: 0.0)
+    pipe = Pipeline(RuntimeHolder(runtime), Metrics(registry), gate, tenant_limits=still)
+
+    async def run() -> None:
+        headers, body = chat("word " * 3000, "s1")
+        headers["x-tenant"] = "t1"
+        out = await pipe.decide(headers, body, 0.0)
+        assert isinstance(out, Rejected) and out.reject.class_name == "long/prefill"
+        assert out.reject.status == 413
+        assert gate.held == 0
+        facts = out.facts
+        tenant = pipe._tenant(pipe.runtime, headers, facts)
+        use = still.use(tenant.key, runtime.flow.limit_for(tenant.key))
+        assert use.inflight == 0 and use.bucket_tokens == rate
+        # A request that is served draws from the bucket (what the refusal gave back).
+        short_headers, short_body = chat("hi", "s2")
+        short_headers["x-tenant"] = "t1"
+        served = await pipe.decide(short_headers, short_body, 0.0)
+        assert isinstance(served, Routed)
+        await pipe.release(served.hold)
+        use = still.use(tenant.key, runtime.flow.limit_for(tenant.key))
+        assert use.inflight == 0 and use.bucket_tokens == rate - served.facts.input_tokens
 
     asyncio.run(run())
 
