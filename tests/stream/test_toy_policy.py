@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import orjson
@@ -17,10 +18,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from extproc.config import compile_runtime, parse_config
-from extproc.core.admission import Reason, Reject, TenantClaim, plan
+from extproc.core.admission import Reason, Reject, plan
 from extproc.core.decide import Route
 from extproc.core.fleet import Budget
-from extproc.core.flow import WaitPolicy
 from extproc.ledger.gate import build_gate
 from extproc.pipeline import step as steps
 from extproc.pipeline.metrics import Metrics
@@ -36,17 +36,13 @@ ORIGINAL = steps.admission_step
 
 
 def toy_step(limit: int, original: Callable[..., steps.Step]) -> Callable[..., steps.Step]:
-    def admission_step(
-        tokens: int,
-        route: Route,
-        elsewhere: Callable[[], Iterable[Route]] | None,
-        wait: WaitPolicy,
-        tenant: TenantClaim | None = None,
-    ) -> steps.Step:
+    # The step's other inputs pass through untouched, whatever they are: the toy decides on
+    # the request's tokens and route alone.
+    def admission_step(tokens: int, route: Route, *rest: Any, **named: Any) -> steps.Step:
         if tokens > limit and plan(tokens, route) is not None:
             cls, cluster = route.request_class.name, route.placement.primary
             return Reject(413, cls, cluster, TOY, Reason.EXCEEDS_BUDGET)
-        return (yield from original(tokens, route, elsewhere, wait, tenant))
+        return (yield from original(tokens, route, *rest, **named))
 
     return admission_step
 
